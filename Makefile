@@ -1,0 +1,28 @@
+# Two commands on a fresh machine: `make run` (the default job) and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 is pinned: pip takes the CPU wheel from local disk here; an unpinned torch pulls a CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+run: setup
+	$(PY) launch.py $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) -m dflash.bench $(or $(BENCH),loss)
+
+clean:
+	rm -rf $(VENV) outputs/.cache

@@ -1,0 +1,319 @@
+"""Typed schemas for every config group, registered in Hydra's ConfigStore, and value checks.
+
+`conf/config.yaml` starts its defaults list with `base_config` (the `Config` dataclass below), so every
+YAML file of every group is merged into a typed node: a misspelt key or a wrong type fails at composition,
+before `launch.py` runs a line of ours. Value checks that types cannot express (ranges, cross-field rules)
+live in `validate()`, which `run.main` calls before loading any model; `validate_against_target()` adds
+the rules that need the target's config (layer count, vocabulary), read without loading weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config value a user set is out of range or inconsistent; the message names the dotted key."""
+
+
+# z-lab's per-block-size default for the position decay (paper App. A.1); other sizes interpolate.
+DEFAULT_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+@dataclass
+class TinyBuildConfig:
+    """How `dflash/tiny.py` builds the embedded default target when `model.target` does not exist yet."""
+
+    kind: str = "none"  # none | tiny | tiny_random
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    num_layers: int = 6
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 768
+    max_position_embeddings: int = 2048
+    pretrain_steps: int = 600  # steps of causal-LM pretraining on stdlib sources
+    pretrain_seq_len: int = 256
+    pretrain_batch_size: int = 16
+    pretrain_lr: float = 3e-3
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    target: str = MISSING  # HF hub name or local path of the target causal LM
+    block_size: int = 8  # tokens per drafted block, anchor included (SGLang num-draft-tokens)
+    num_draft_layers: int = 2
+    target_layer_ids: list[int] | None = None  # null = z-lab spread from layer 1 to L-3
+    num_target_features: int | None = None  # with target_layer_ids null: how many ids (null = num_draft_layers)
+    mask_token_id: int | None = None  # null = the tokenizer's <|MASK|> token
+    mask_token: str = "<|MASK|>"
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (target and drafter weights)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # drafter attention/MLP shape; null = the target's value
+    draft_num_attention_heads: int | None = None
+    draft_num_key_value_heads: int | None = None
+    draft_head_dim: int | None = None
+    draft_intermediate_size: int | None = None
+    build: TinyBuildConfig = field(default_factory=TinyBuildConfig)
+
+
+@dataclass
+class LossConfig:
+    name: str = "kl_streak"  # ce_decay | kl | kl_streak
+    decay_gamma: float | None = None  # null = 7 / 5 / 4 for block 16 / 10 / 8
+    kl_temperature: float = 1.0
+    kl_weight: float = 0.5  # share of the T^2-scaled KL term; 1 - kl_weight goes to hard-label CE
+    streak_alpha: float = 0.5  # D-PACE mixing; 0 = plain decay weights
+    chunk_size: int = 256  # positions per fused LM-head + loss chunk
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = "cosine"  # cosine | constant | wsd
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    min_lr_ratio: float = 0.1
+    decay_ratio: float = 0.2  # wsd: share of training spent in the final decay
+    noise_start: float = 0.0  # std of Gaussian noise on target features at progress 0
+    noise_end: float = 0.0  # ... at progress 1 (cosine in between)
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # online | offline | disabled
+    project: str = "dflash-train"
+    entity: str | None = None
+    name: str | None = None  # null = the job's override string or run dir name
+    group: str | None = None  # null = sweep dir for multirun jobs, experiment name otherwise
+    job_type: str = "train"
+    tags: list[str] = field(default_factory=list)
+    stats_interval_s: float = 10.0
+
+
+@dataclass
+class LoggingConfig:
+    name: str = "wandb"
+    log_every_s: float = 5.0  # console refresh / W&B log throttle
+    console: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    use_wandb: bool = True
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING  # stdlib | jsonl
+    path: str | None = None  # jsonl: a file or a directory of .jsonl files
+    on_bad_record: str = "fail"  # fail | skip
+    holdout_fraction: float = 0.05  # stdlib: share of files kept out of training for eval prompts
+    max_files: int | None = None  # stdlib: cap on source files read (null = all)
+    min_supervised_tokens: int | None = None  # null = 2 * block_size
+
+
+@dataclass
+class PipelineConfig:
+    name: str = "async"
+    mode: str = "async"  # async | sync
+    queue_size: int = 4  # items per queue
+    queue_bytes: int | None = None  # optional byte cap per queue (null = items only)
+    target_workers: int = 1
+    drafter_workers: int = 1
+    monitor_interval_s: float = 2.0
+    join_timeout_s: float = 20.0
+    threads_per_stage: int | None = None  # CPU: torch threads per stage (null = cores / stages)
+
+
+@dataclass
+class EvalConfig:
+    name: str = "default"
+    every_steps: int = 0  # 0 = only the final eval
+    num_prompts: int = 8
+    max_new_tokens: int = 64
+    prompt_len: int = 64  # tokens of held-out text used as a prompt
+    temperature: float = 0.0
+    baselines: bool = True  # prompt-lookup + untrained drafter on the same prompts
+    prompt_lookup_ngram: int = 3
+    prompts_file: str | None = None
+    final: bool = True
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 200
+    max_tokens: int | None = None  # stop after this many target tokens (null = steps only)
+    batch_size: int = 4
+    seq_len: int = 256
+    num_anchors: int = 32
+    seed: int = 0
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    max_bad_steps: int = 10
+    fail_at_step: int | None = None  # testing hook: raise inside the drafter step at this step
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0  # 0 = only at the end and on SIGTERM/SIGINT
+    keep_last: int = 2
+    enabled: bool = True
+
+
+@dataclass
+class PathsConfig:
+    cache_dir: str = "outputs/.cache"  # where locally built targets live (relative to the launch dir)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    experiment: str | None = None
+    resume: str | None = None  # a run directory to continue
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="base_config", node=Config)
+
+
+def _check(ok: bool, key: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {rule}")
+
+
+def _one_of(key: str, value: Any, allowed: tuple) -> None:
+    _check(value in allowed, key, value, f"must be one of {', '.join(map(str, allowed))}")
+
+
+def default_decay_gamma(block_size: int) -> float:
+    """Paper values for B = 16 / 10 / 8; linear in B elsewhere (gamma ~ B/2 - 1 fits all three)."""
+    return DEFAULT_DECAY_GAMMA.get(block_size, max(1.0, block_size / 2.0 - 1.0))
+
+
+def validate(cfg: DictConfig | Config) -> None:
+    """Range and cross-field checks that need no model. Raises ConfigError naming the key."""
+    c = cfg
+    m = c.model
+    _check(m.block_size >= 2, "model.block_size", m.block_size, "must be >= 2 (an anchor plus one drafted token)")
+    _check(m.num_draft_layers >= 1, "model.num_draft_layers", m.num_draft_layers, "must be >= 1")
+    _one_of("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
+    _check(m.device == "auto" or m.device == "cpu" or m.device.startswith("cuda"), "model.device", m.device,
+           "must be auto, cpu, cuda or cuda:N")
+    if m.target_layer_ids is not None:
+        ids = list(m.target_layer_ids)
+        _check(len(ids) >= 1, "model.target_layer_ids", ids, "must list at least one layer (or be null)")
+        _check(len(set(ids)) == len(ids), "model.target_layer_ids", ids, "must not repeat a layer")
+        _check(all(i >= 0 for i in ids), "model.target_layer_ids", ids, "layer ids are >= 0")
+    if m.mask_token_id is not None:
+        _check(m.mask_token_id >= 0, "model.mask_token_id", m.mask_token_id, "must be >= 0")
+    _one_of("model.build.kind", m.build.kind, ("none", "tiny", "tiny_random"))
+
+    lo = c.loss
+    _one_of("loss.name", lo.name, ("ce_decay", "kl", "kl_streak"))
+    if lo.decay_gamma is not None:
+        _check(lo.decay_gamma > 0, "loss.decay_gamma", lo.decay_gamma, "must be > 0 (or null for the paper default)")
+    _check(lo.kl_temperature > 0 and math.isfinite(lo.kl_temperature), "loss.kl_temperature", lo.kl_temperature,
+           "must be > 0")
+    _check(0.0 <= lo.kl_weight <= 1.0, "loss.kl_weight", lo.kl_weight, "must be in [0, 1]")
+    _check(0.0 <= lo.streak_alpha <= 1.0, "loss.streak_alpha", lo.streak_alpha, "must be in [0, 1] (0 = decay only)")
+    _check(lo.chunk_size >= 1, "loss.chunk_size", lo.chunk_size, "must be >= 1")
+
+    s = c.schedule
+    _one_of("schedule.name", s.name, ("cosine", "constant", "wsd"))
+    _check(s.lr > 0, "schedule.lr", s.lr, "must be > 0")
+    _check(0.0 <= s.warmup_ratio < 1.0, "schedule.warmup_ratio", s.warmup_ratio, "must be in [0, 1)")
+    _check(0.0 <= s.min_lr_ratio <= 1.0, "schedule.min_lr_ratio", s.min_lr_ratio, "must be in [0, 1]")
+    _check(0.0 <= s.decay_ratio <= 1.0, "schedule.decay_ratio", s.decay_ratio, "must be in [0, 1]")
+    _check(s.noise_start >= 0, "schedule.noise_start", s.noise_start, "must be >= 0")
+    _check(s.noise_end >= 0, "schedule.noise_end", s.noise_end, "must be >= 0")
+    _check(s.noise_end <= s.noise_start, "schedule.noise_end", s.noise_end,
+           f"must be <= schedule.noise_start ({s.noise_start}): the noise anneals down")
+
+    lg = c.logging
+    _one_of("logging.wandb.mode", lg.wandb.mode, ("online", "offline", "disabled"))
+    _check(lg.log_every_s > 0, "logging.log_every_s", lg.log_every_s, "must be > 0")
+
+    d = c.data
+    _one_of("data.name", d.name, ("stdlib", "jsonl"))
+    _one_of("data.on_bad_record", d.on_bad_record, ("fail", "skip"))
+    if d.name == "jsonl":
+        _check(bool(d.path), "data.path", d.path, "data=jsonl needs data.path (a .jsonl file or a directory of them)")
+    _check(0.0 < d.holdout_fraction < 1.0, "data.holdout_fraction", d.holdout_fraction, "must be in (0, 1)")
+
+    p = c.pipeline
+    _one_of("pipeline.mode", p.mode, ("async", "sync"))
+    _check(p.queue_size >= 1, "pipeline.queue_size", p.queue_size, "must be >= 1")
+    _check(p.target_workers >= 1, "pipeline.target_workers", p.target_workers, "must be >= 1")
+    _check(p.drafter_workers == 1, "pipeline.drafter_workers", p.drafter_workers,
+           "only 1 is supported on one process (more drafter ranks come with torchrun)")
+    _check(p.monitor_interval_s > 0, "pipeline.monitor_interval_s", p.monitor_interval_s, "must be > 0")
+
+    e = c.eval
+    _check(e.every_steps >= 0, "eval.every_steps", e.every_steps, "must be >= 0 (0 = final eval only)")
+    _check(e.num_prompts >= 0, "eval.num_prompts", e.num_prompts, "must be >= 0")
+    _check(e.max_new_tokens >= 1, "eval.max_new_tokens", e.max_new_tokens, "must be >= 1")
+    _check(e.temperature >= 0, "eval.temperature", e.temperature, "must be >= 0 (0 = greedy)")
+
+    t = c.train
+    _check(t.max_steps >= 1, "train.max_steps", t.max_steps, "must be >= 1")
+    if t.max_tokens is not None:
+        _check(t.max_tokens >= 1, "train.max_tokens", t.max_tokens, "must be >= 1 (or null)")
+    _check(t.batch_size >= 1, "train.batch_size", t.batch_size, "must be >= 1")
+    _check(t.seq_len >= 2 * m.block_size, "train.seq_len", t.seq_len,
+           f"must be >= 2 * model.block_size ({2 * m.block_size})")
+    _check(t.num_anchors >= 1, "train.num_anchors", t.num_anchors, "must be >= 1")
+    _check(t.grad_clip > 0, "train.grad_clip", t.grad_clip, "must be > 0")
+    _check(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", list(t.betas),
+           "must be two numbers in [0, 1)")
+    _check(t.max_bad_steps >= 1, "train.max_bad_steps", t.max_bad_steps, "must be >= 1")
+
+    ck = c.checkpoint
+    _check(ck.every_steps >= 0, "checkpoint.every_steps", ck.every_steps, "must be >= 0")
+    _check(ck.keep_last >= 1, "checkpoint.keep_last", ck.keep_last, "must be >= 1")
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """z-lab's spread: one feature -> [L // 2]; else evenly from layer 1 to L - 3 (Qwen3-8B: [1, 9, 17, 25, 33])."""
+    if num_features == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    if end < start:
+        raise ConfigError(
+            f"the target has {num_target_layers} layers; the default spread needs >= 4, set model.target_layer_ids"
+        )
+    span = end - start
+    return [int(round(start + i * span / (num_features - 1))) for i in range(num_features)]
+
+
+def resolve_target_layer_ids(model_cfg: Any, num_target_layers: int) -> list[int]:
+    """The target layer ids a run uses, checked against the target's layer count."""
+    if model_cfg.target_layer_ids is None:
+        n = model_cfg.num_target_features or model_cfg.num_draft_layers
+        return default_target_layer_ids(num_target_layers, n)
+    ids = [int(i) for i in model_cfg.target_layer_ids]
+    bad = [i for i in ids if not 0 <= i < num_target_layers]
+    if bad:
+        raise ConfigError(
+            f"model.target_layer_ids={ids} is invalid: ids {bad} are outside the target's layers 0..{num_target_layers - 1}"
+        )
+    return ids
+
+
+def to_container(cfg: DictConfig) -> dict:
+    """The resolved config as plain Python (what snapshots and W&B receive)."""
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)

@@ -1,0 +1,152 @@
+"""What a run directory says about itself: config_resolved.yaml, run.json, status.json, summary.json."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+PACKAGES = ("torch", "transformers", "hydra-core", "omegaconf", "wandb", "safetensors", "tokenizers", "dflash")
+# keys whose values are secrets wherever they appear (config, argv, overrides)
+_SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|passwd|credential)", re.IGNORECASE)
+REDACTED = "<redacted>"
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _json_safe(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Atomic: write a temp file then rename, so a crash never leaves half a JSON file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_json_safe(data), indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+def redact(obj: Any) -> Any:
+    """Replace the value of any key that looks like a secret, and secret-looking `key=value` strings."""
+    if isinstance(obj, dict):
+        return {k: (REDACTED if _SECRET_KEY.search(str(k)) and v not in (None, "") else redact(v)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [redact(v) for v in obj]
+    if isinstance(obj, str) and "=" in obj:
+        key, _, _ = obj.partition("=")
+        if _SECRET_KEY.search(key):
+            return f"{key}={REDACTED}"
+    return obj
+
+
+def _secret_env_values() -> set[str]:
+    return {v for k, v in os.environ.items() if _SECRET_KEY.search(k) and len(v) >= 8}
+
+
+def scrub_text(text: str) -> str:
+    """Remove the values of secret environment variables (WANDB_API_KEY, HF_TOKEN, ...) from text."""
+    for value in _secret_env_values():
+        text = text.replace(value, REDACTED)
+    return text
+
+
+def git_info(cwd: Path) -> dict:
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    sha = git("rev-parse", "HEAD")
+    if sha is None:
+        return {"sha": None, "dirty": None}
+    return {"sha": sha, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def package_versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def device_info() -> dict:
+    import torch
+
+    info = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def write_config_snapshot(run_dir: Path, cfg: DictConfig) -> None:
+    resolved = redact(OmegaConf.to_container(cfg, resolve=True))
+    text = scrub_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
+    tmp = run_dir / "config_resolved.yaml.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, run_dir / "config_resolved.yaml")
+
+
+def write_run_info(run_dir: Path, overrides: list[str], choices: dict, extra: dict | None = None) -> dict:
+    info = {
+        "argv": redact(list(sys.argv)),
+        "overrides": redact(list(overrides)),
+        "choices": dict(choices),
+        "cwd": os.getcwd(),
+        "git": git_info(Path(__file__).resolve().parent.parent),
+        "packages": package_versions(),
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "device": device_info(),
+        "start_time": now_iso(),
+        **(extra or {}),
+    }
+    info = json.loads(scrub_text(json.dumps(_json_safe(info))))
+    write_json(run_dir / "run.json", info)
+    return info
+
+
+class StatusFile:
+    """status.json: `running` at start, then exactly one of completed / failed / interrupted."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / "status.json"
+        self.t0 = time.time()
+        self.start_time = now_iso()
+
+    def running(self, **extra: Any) -> None:
+        write_json(self.path, {"status": "running", "start_time": self.start_time, "pid": os.getpid(), **extra})
+
+    def finish(self, status: str, error: str | None = None, **extra: Any) -> None:
+        write_json(self.path, {
+            "status": status, "error": scrub_text(error) if error else None, "start_time": self.start_time,
+            "end_time": now_iso(), "wall_time_s": round(time.time() - self.t0, 3), **extra,
+        })
+
+
+def read_status(run_dir: Path) -> dict | None:
+    p = Path(run_dir) / "status.json"
+    return json.loads(p.read_text()) if p.exists() else None

@@ -1,0 +1,164 @@
+"""The embedded default target, built once on this machine from the Python standard library's sources.
+
+`ensure_target(model_cfg)` makes sure `model.target` exists when the config asks for a local build
+(`model.build.kind` = tiny | tiny_random): it trains a byte-level BPE tokenizer (with `<|MASK|>` and a small
+ChatML-style chat template), builds a small Qwen3 causal LM, pretrains it on stdlib train files (`tiny`; none
+for `tiny_random`), reports the held-out loss, and saves both with `save_pretrained`. From then on the target
+is loaded with `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`, the same path a
+hub model takes. The build is written to a temporary directory and renamed, under a file lock, so an
+interrupted or concurrent build never leaves a half-built target behind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from dflash.data import pack, read_text, stdlib_documents, stdlib_files
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|MASK|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(vocab_size: int, texts: list[str]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", mask_token="<|MASK|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _qwen3_config(b, vocab_size: int, tok):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=vocab_size, hidden_size=b.hidden_size, intermediate_size=b.intermediate_size,
+        num_hidden_layers=b.num_layers, num_attention_heads=b.num_attention_heads,
+        num_key_value_heads=b.num_key_value_heads, head_dim=b.head_dim,
+        max_position_embeddings=b.max_position_embeddings, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+
+
+def _windows(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    n = ids.numel() // seq_len
+    return ids[: n * seq_len].view(n, seq_len)
+
+
+@torch.no_grad()
+def heldout_loss(model, windows: torch.Tensor, batch_size: int = 16, max_windows: int = 64) -> float:
+    model.eval()
+    losses = []
+    for i in range(0, min(len(windows), max_windows), batch_size):
+        x = windows[i : i + batch_size]
+        losses.append(model(input_ids=x, labels=x).loss.item())
+    model.train()
+    return sum(losses) / max(1, len(losses))
+
+
+def pretrain(model, train_ids: torch.Tensor, heldout_windows: torch.Tensor, b) -> list[dict]:
+    """Causal-LM pretraining on random windows; cosine lr; returns a loss log."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    g = torch.Generator().manual_seed(b.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=b.pretrain_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, b.pretrain_steps // 20)
+    history = []
+    model.train()
+    with Progress(TextColumn("building tiny target"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TextColumn("loss {task.fields[loss]:.3f}"), TimeRemainingColumn(), transient=False) as bar:
+        task = bar.add_task("pretrain", total=b.pretrain_steps, loss=float("nan"))
+        for step in range(b.pretrain_steps):
+            lr_scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / b.pretrain_steps))
+            for group in opt.param_groups:
+                group["lr"] = b.pretrain_lr * max(lr_scale, 0.05)
+            starts = torch.randint(0, train_ids.numel() - b.pretrain_seq_len - 1, (b.pretrain_batch_size,), generator=g)
+            x = torch.stack([train_ids[s : s + b.pretrain_seq_len] for s in starts.tolist()])
+            loss = model(input_ids=x, labels=x).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            bar.update(task, advance=1, loss=loss.item())
+            if step % 50 == 0 or step == b.pretrain_steps - 1:
+                history.append({"step": step, "loss": loss.item()})
+                log.info("tiny target pretrain step %d/%d loss %.3f", step, b.pretrain_steps, loss.item())
+    model.eval()
+    return history
+
+
+def build(target_dir: Path, b) -> dict:
+    """Build tokenizer + model into target_dir (must not exist). Returns build info."""
+    from transformers import Qwen3ForCausalLM
+
+    t0 = time.time()
+    torch.manual_seed(b.seed)
+    max_files = 120 if b.kind == "tiny_random" else None
+    train_files = stdlib_files("train", max_files=max_files)
+    log.info("building %s target in %s from %d stdlib files", b.kind, target_dir, len(train_files))
+    tok = build_tokenizer(b.vocab_size, [read_text(p) for p in train_files])
+    config = _qwen3_config(b, len(tok), tok)
+    model = Qwen3ForCausalLM(config)
+    info: dict = {"kind": b.kind, "build": asdict(b) if hasattr(b, "__dataclass_fields__") else dict(b),
+                  "vocab_size": len(tok), "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
+    if b.pretrain_steps > 0:
+        train_ids, _ = pack(stdlib_documents(tok, "train", 0.05), tok.eos_token_id)
+        held_ids, _ = pack(stdlib_documents(tok, "heldout", 0.05), tok.eos_token_id)
+        held = _windows(held_ids, b.pretrain_seq_len)
+        info["heldout_loss_init"] = heldout_loss(model, held)
+        info["history"] = pretrain(model, train_ids, held, b)
+        info["heldout_loss"] = heldout_loss(model, held)
+        info["train_tokens"] = int(train_ids.numel())
+        log.info("tiny target built: held-out loss %.3f (from %.3f at init)", info["heldout_loss"],
+                 info["heldout_loss_init"])
+    info["build_seconds"] = round(time.time() - t0, 1)
+    tmp = target_dir.with_name(target_dir.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / "build_info.json").write_text(json.dumps(info, indent=2))
+    os.replace(tmp, target_dir)
+    return info
+
+
+def ensure_target(model_cfg) -> Path | None:
+    """Build `model.target` if the config asks for a local build and it is not there yet. Returns its path."""
+    b = model_cfg.build
+    if b.kind == "none":
+        return None
+    target_dir = Path(model_cfg.target).expanduser()
+    if (target_dir / "config.json").exists():
+        return target_dir
+    target_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(target_dir.parent / f".{target_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent job waits for the first build, then reuses it
+        if not (target_dir / "config.json").exists():
+            build(target_dir, b)
+    return target_dir

@@ -1,0 +1,34 @@
+"""Entry point: `python launch.py [group=option ...] [key=value ...]`, `-m` for sweeps. See README.md."""
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from dflash.config import register_configs
+
+register_configs()
+
+
+def _route_resume(argv: list[str]) -> list[str]:
+    """`resume=RUN_DIR` continues that run in its own directory: point Hydra's run dir there and keep this
+    invocation's Hydra files apart from the original ones."""
+    for arg in argv[1:]:
+        if arg.startswith(("resume=", "+resume=")):
+            run_dir = arg.split("=", 1)[1]
+            if run_dir and not any(a.startswith("hydra.run.dir=") for a in argv):
+                argv = argv + [f"hydra.run.dir={run_dir}", "hydra.output_subdir=.hydra/resume"]
+            return [a if not a.startswith("+resume=") else a[1:] for a in argv]
+    return argv
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> float | None:
+    from dflash.run import main as run_main
+
+    return run_main(cfg)
+
+
+if __name__ == "__main__":
+    sys.argv = _route_resume(sys.argv)
+    main()
