@@ -64,7 +64,6 @@ def build_drafter_config(target_config, model_cfg, target_layer_ids: list[int], 
         "target_layer_ids": [int(i) for i in target_layer_ids],
         "block_size": int(model_cfg.block_size),
     }
-    cfg.is_causal = False
     return cfg
 
 
@@ -86,6 +85,12 @@ def export_drafter(drafter: DFlashDraftModel, out_dir: Path, dtype: torch.dtype 
     rope = config.get("rope_parameters") or {}
     config["rope_theta"] = rope.get("rope_theta", config.get("rope_theta", 10000.0))  # z-lab MLX loader reads it
     config["rope_scaling"] = None
+    # transformers drops these on save for a class it did not load remotely: write them explicitly
+    config["architectures"] = ["DFlashDraftModel"]
+    config["auto_map"] = {"AutoModel": "dflash.DFlashDraftModel"}
+    for key in ("block_size", "num_target_layers", "dflash_config"):
+        config[key] = getattr(drafter.config, key)
+    config["is_causal"] = False  # vLLM reads it; sliding layers would otherwise be treated as causal
     if target is not None:
         config["dflash_target"] = target  # ours: lets `python -m dflash.evaluate DRAFTER_DIR` find the target
     cfg_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,734 @@
+"""Generic three-stage pipeline: batch source -> target stage(s) -> drafter loop, plus a monitor.
+
+The module knows nothing about models. The caller injects three things:
+
+- ``source``: an iterable of batches; every batch has an int attribute ``num_tokens``.
+- ``target_fn(batch) -> item``: runs the frozen target; ``item`` is typically a small dataclass of tensors
+  already on the drafter's device (its byte size is what the hidden-state queue is bounded by).
+- ``drafter_fn(item) -> bool``: one drafter training step; returning ``False`` means "training is finished".
+
+``mode="async"`` runs them as threads joined by bounded channels::
+
+    BatchSource --target_queue--> TargetStage x N --hs_queue--> DrafterLoop      Monitor --> on_tick(sample)
+
+``mode="sync"`` calls the same three stages one after the other in the caller's thread (the baseline).
+
+Lifetime is owned by ``Pipeline.run()``: one stop event, the first exception in any stage stops every stage
+and is re-raised as ``StageError`` naming the stage; every thread is joined (with a timeout) before ``run()``
+returns or raises. ``request_stop()`` is safe to call from a signal handler; ``run()`` then returns a
+``PipelineResult`` with ``stopped_by="interrupted"`` (it does not raise), so the caller can checkpoint and
+write ``status.json=interrupted`` on the normal return path.
+
+``BoundedChannel`` (put/get/close/depth) is the seam where, on many nodes, a stage's input or output becomes a
+cross-process transport; no stage touches another stage's objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "END",
+    "BoundedChannel",
+    "ChannelClosed",
+    "MONITOR_KEYS",
+    "Pipeline",
+    "PipelineResult",
+    "StageError",
+    "StageSnapshot",
+    "StageStats",
+    "item_nbytes",
+]
+
+# How often blocked waits re-check the stop event; bounds the shutdown latency of a blocked stage.
+POLL_S = 0.1
+
+MONITOR_KEYS = (
+    "perf/target_queue_depth",
+    "perf/hs_queue_depth",
+    "perf/hs_queue_mb",
+    "perf/target_busy",
+    "perf/target_wait",
+    "perf/drafter_busy",
+    "perf/drafter_wait_s",
+    "perf/ktok_s",
+    "perf/interval_s",
+)
+
+
+class _EndOfStream:
+    """Type of the ``END`` sentinel returned by ``BoundedChannel.get``."""
+
+    def __repr__(self) -> str:
+        return "END"
+
+
+END = _EndOfStream()
+
+
+class ChannelClosed(RuntimeError):
+    """``put`` on a channel whose producer side was already closed (a programming error)."""
+
+
+class StageError(RuntimeError):
+    """A pipeline stage raised. ``.stage`` names it, ``__cause__`` is the original exception and
+    ``.traceback_text`` its formatted traceback (from the stage's own thread)."""
+
+    def __init__(self, stage: str, exc: BaseException, traceback_text: str) -> None:
+        super().__init__(f"{stage} stage failed: {type(exc).__name__}: {exc}")
+        self.stage = stage
+        self.traceback_text = traceback_text
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Channels
+
+
+def item_nbytes(item: Any) -> int:
+    """Bytes held by the tensors of ``item``: ``numel() * element_size()`` summed over tensor fields.
+
+    Looks into dataclass fields, mappings, lists and tuples (recursively); other values count 0.
+    Views that share storage are counted once per view (an upper bound, which is what a cap wants).
+    """
+    if isinstance(item, torch.Tensor):
+        return item.numel() * item.element_size()
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        return sum(item_nbytes(getattr(item, f.name)) for f in dataclasses.fields(item))
+    if isinstance(item, Mapping):
+        return sum(item_nbytes(v) for v in item.values())
+    if isinstance(item, (list, tuple)):
+        return sum(item_nbytes(v) for v in item)
+    return 0
+
+
+class BoundedChannel:
+    """Thread-safe FIFO bounded by ``max_items`` and optionally ``max_bytes`` (see ``item_nbytes``).
+
+    - ``put(item, stop_event)`` blocks while the channel is full (backpressure). Returns ``True`` once queued,
+      ``False`` if the stop event is (or becomes) set; the producer should then exit. An item larger than
+      ``max_bytes`` is accepted when the channel is empty, so one oversized item cannot deadlock the pipeline.
+    - ``get(stop_event)`` blocks while empty. Returns the next item, or ``END`` when the channel is closed and
+      drained, or when the stop event is set (a consumer exits on ``END`` either way).
+    - ``close()``: the producer is done; consumers drain what is left, then get ``END``.
+    - ``depth()`` / ``nbytes()``: current items and bytes; ``peak_depth`` / ``peak_bytes``: their maxima.
+
+    Blocked calls re-check the stop event every ``poll_s`` seconds; ``wake()`` makes them re-check at once.
+    """
+
+    def __init__(
+        self,
+        max_items: int,
+        max_bytes: int | None = None,
+        *,
+        name: str = "channel",
+        sizeof: Callable[[Any], int] = item_nbytes,
+        poll_s: float = POLL_S,
+    ) -> None:
+        if max_items < 1:
+            raise ValueError(f"{name}: max_items={max_items!r} must be >= 1")
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"{name}: max_bytes={max_bytes!r} must be >= 1 (or None for no byte cap)")
+        self.name = name
+        self.max_items = max_items
+        self.max_bytes = max_bytes
+        self._sizeof = sizeof
+        self._poll_s = poll_s
+        self._cond = threading.Condition()
+        self._items: deque[tuple[Any, int]] = deque()
+        self._bytes = 0
+        self._closed = False
+        self.peak_depth = 0
+        self.peak_bytes = 0
+
+    def _has_room(self, nbytes: int) -> bool:
+        if not self._items:
+            return True  # an empty channel takes anything, even an item over max_bytes
+        if len(self._items) >= self.max_items:
+            return False
+        return self.max_bytes is None or self._bytes + nbytes <= self.max_bytes
+
+    def put(self, item: Any, stop_event: threading.Event | None = None) -> bool:
+        """Queue ``item``; block while full. ``False`` (item dropped) if the stop event is set."""
+        nbytes = self._sizeof(item)
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise ChannelClosed(f"put on closed channel {self.name!r}")
+                if stop_event is not None and stop_event.is_set():
+                    return False
+                if self._has_room(nbytes):
+                    break
+                self._cond.wait(self._poll_s)
+            self._items.append((item, nbytes))
+            self._bytes += nbytes
+            self.peak_depth = max(self.peak_depth, len(self._items))
+            self.peak_bytes = max(self.peak_bytes, self._bytes)
+            self._cond.notify_all()
+        return True
+
+    def get(self, stop_event: threading.Event | None = None) -> Any:
+        """Next item (FIFO); ``END`` once closed and drained or when the stop event is set."""
+        with self._cond:
+            while True:
+                if stop_event is not None and stop_event.is_set():
+                    return END
+                if self._items:
+                    break
+                if self._closed:
+                    return END
+                self._cond.wait(self._poll_s)
+            item, nbytes = self._items.popleft()
+            self._bytes -= nbytes
+            self._cond.notify_all()
+        return item
+
+    def close(self) -> None:
+        """Producer side is done. Idempotent."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Make blocked ``put``/``get`` calls re-check their stop event now instead of at the next poll."""
+        with self._cond:
+            self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def depth(self) -> int:
+        with self._cond:
+            return len(self._items)
+
+    def nbytes(self) -> int:
+        with self._cond:
+            return self._bytes
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stage statistics
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSnapshot:
+    """One stage over one monitor interval. Fractions are per worker: busy_s / (interval_s * workers)."""
+
+    interval_s: float
+    busy_s: float
+    wait_s: float
+    items: int
+    tokens: int
+    busy_frac: float
+    wait_frac: float
+
+
+class StageStats:
+    """Busy time (inside the stage function), wait time (blocked on a channel), items and tokens of one stage.
+
+    Thread-safe; shared by all workers of a stage. Time of a call still in progress is credited up to the
+    snapshot, so a drafter step longer than the monitor interval does not show as 0 then > 1.
+    """
+
+    def __init__(self, name: str, workers: int = 1, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.name = name
+        self.workers = workers
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._open: dict[tuple[int, str], float] = {}  # (thread id, "busy"|"wait") -> start of the open span
+        self._interval = {"busy": 0.0, "wait": 0.0}
+        self._total = {"busy": 0.0, "wait": 0.0}
+        self._items = self._tokens = 0
+        self._total_items = self._total_tokens = 0
+        self._interval_start = clock()
+
+    @contextmanager
+    def _span(self, kind: str) -> Iterator[None]:
+        key = (threading.get_ident(), kind)
+        with self._lock:
+            self._open[key] = self._clock()
+        try:
+            yield
+        finally:
+            with self._lock:
+                dt = self._clock() - self._open.pop(key)
+                self._interval[kind] += dt
+                self._total[kind] += dt
+
+    def busy(self) -> Any:
+        """Context manager around the stage function call."""
+        return self._span("busy")
+
+    def waiting(self) -> Any:
+        """Context manager around a blocking channel get/put."""
+        return self._span("wait")
+
+    def count(self, items: int = 1, tokens: int = 0) -> None:
+        with self._lock:
+            self._items += items
+            self._tokens += tokens
+            self._total_items += items
+            self._total_tokens += tokens
+
+    def snapshot_and_reset(self) -> StageSnapshot:
+        """Totals and fractions since the previous snapshot (or construction); starts a new interval."""
+        with self._lock:
+            now = self._clock()
+            for key, start in self._open.items():  # credit spans still open, then restart them at `now`
+                self._interval[key[1]] += now - start
+                self._total[key[1]] += now - start
+                self._open[key] = now
+            interval = max(now - self._interval_start, 1e-9)
+            capacity = interval * self.workers
+            snap = StageSnapshot(
+                interval_s=interval,
+                busy_s=self._interval["busy"],
+                wait_s=self._interval["wait"],
+                items=self._items,
+                tokens=self._tokens,
+                busy_frac=self._interval["busy"] / capacity,
+                wait_frac=self._interval["wait"] / capacity,
+            )
+            self._interval = {"busy": 0.0, "wait": 0.0}
+            self._items = self._tokens = 0
+            self._interval_start = now
+            return snap
+
+    def totals(self) -> dict[str, float]:
+        """Cumulative counters plus stand-alone throughput: what the stage would sustain if it never waited
+        (``workers * items / busy_s``), the number a bench compares across stages."""
+        with self._lock:
+            busy, wait = self._total["busy"], self._total["wait"]
+            items, tokens = self._total_items, self._total_tokens
+        rate = self.workers / busy if busy > 0 else 0.0
+        return {
+            "busy_s": busy,
+            "wait_s": wait,
+            "items": items,
+            "tokens": tokens,
+            "workers": self.workers,
+            "items_per_s_standalone": items * rate,
+            "tokens_per_s_standalone": tokens * rate,
+        }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pipeline
+
+
+@dataclasses.dataclass
+class PipelineResult:
+    """How a run ended without error.
+
+    stopped_by: "finished" (drafter_fn returned False), "exhausted" (source ran out and everything was
+    consumed) or "interrupted" (request_stop was called).
+    """
+
+    stopped_by: str
+    reason: str
+    items: int  # items the drafter consumed
+    tokens: int  # target tokens the drafter consumed
+    wall_s: float
+    stats: dict[str, Any]
+
+
+@dataclasses.dataclass
+class _Envelope:
+    """What crosses the channels: the payload plus the bookkeeping the pipeline needs (order, tokens)."""
+
+    seq: int
+    num_tokens: int
+    payload: Any
+
+
+def _num_tokens(batch: Any) -> int:
+    n = getattr(batch, "num_tokens", None)
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(
+            f"every batch needs an int attribute num_tokens; got {type(batch).__name__} with num_tokens={n!r}"
+        )
+    return n
+
+
+class Pipeline:
+    """Runs source -> target_fn -> drafter_fn, async (threads + bounded channels) or sync (one thread).
+
+    Args:
+        source: iterable of batches, each with an int ``num_tokens``.
+        target_fn: ``batch -> item``; called from ``target_workers`` threads at once in async mode, so it
+            must be thread-safe for that count (one worker per GPU on one node).
+        drafter_fn: ``item -> bool``; ``False`` ends the run ("finished"). Called from one thread.
+        mode: "async" | "sync".
+        queue_size: max items in each channel.
+        queue_bytes: optional byte cap of ``hs_queue`` (``item_nbytes`` of each item).
+        target_workers: threads running ``target_fn``. Items reach the drafter in source order whatever the
+            count (a worker that finishes early waits for its turn), so runs are reproducible.
+        monitor_interval_s: seconds between ``on_tick`` calls.
+        on_tick: ``sample -> None`` with the flat ``perf/*`` dict (keys in ``MONITOR_KEYS``); called from the
+            monitor thread while stages run, and once more from ``run()``'s thread after they stopped.
+            Exceptions count as a failure of the "monitor" stage.
+        join_timeout_s: total time ``run()`` waits for threads to exit after stopping them; any left alive
+            (stuck inside a stage function) are daemon threads, logged with a warning and abandoned.
+        threads_per_stage: if set, each stage thread calls ``torch.set_num_threads(n)`` first (sync mode: the
+            caller's thread). See the note below. ``None`` leaves torch's threading alone.
+
+    Note on ``threads_per_stage`` (measured with torch 2.13 CPU, OpenMP backend): ``torch.set_num_threads``
+    sets the OpenMP team size of the *calling* thread and a process-wide default that threads pick up on their
+    first parallel op, plus MKL's global count. So calling it in every stage thread with the same ``n`` gives
+    each stage ``n`` intra-op threads (stages do not shrink each other), but it also changes the default for
+    threads created later. ``run()`` restores the previous value in the caller's thread when it ends. It has
+    no effect on CUDA kernels. Whether splitting cores beats oversubscription is for the bench to measure.
+    """
+
+    def __init__(
+        self,
+        source: Iterable[Any],
+        target_fn: Callable[[Any], Any],
+        drafter_fn: Callable[[Any], bool],
+        *,
+        mode: str = "async",
+        queue_size: int = 4,
+        queue_bytes: int | None = None,
+        target_workers: int = 1,
+        monitor_interval_s: float = 2.0,
+        on_tick: Callable[[dict[str, float]], None] | None = None,
+        join_timeout_s: float = 20.0,
+        threads_per_stage: int | None = None,
+    ) -> None:
+        if mode not in ("async", "sync"):
+            raise ValueError(f"mode={mode!r} is invalid: must be one of async, sync")
+        if queue_size < 1:
+            raise ValueError(f"queue_size={queue_size!r} is invalid: must be >= 1")
+        if queue_bytes is not None and queue_bytes < 1:
+            raise ValueError(f"queue_bytes={queue_bytes!r} is invalid: must be >= 1 (or None)")
+        if target_workers < 1:
+            raise ValueError(f"target_workers={target_workers!r} is invalid: must be >= 1")
+        if monitor_interval_s <= 0:
+            raise ValueError(f"monitor_interval_s={monitor_interval_s!r} is invalid: must be > 0")
+        if join_timeout_s <= 0:
+            raise ValueError(f"join_timeout_s={join_timeout_s!r} is invalid: must be > 0")
+        if threads_per_stage is not None and threads_per_stage < 1:
+            raise ValueError(f"threads_per_stage={threads_per_stage!r} is invalid: must be >= 1 (or None)")
+        self._source = source
+        self._target_fn = target_fn
+        self._drafter_fn = drafter_fn
+        self.mode = mode
+        self.target_workers = target_workers if mode == "async" else 1
+        self._monitor_interval_s = monitor_interval_s
+        self._on_tick = on_tick
+        self._join_timeout_s = join_timeout_s
+        self._threads_per_stage = threads_per_stage
+
+        self.target_queue = BoundedChannel(queue_size, name="target_queue")
+        self.hs_queue = BoundedChannel(queue_size, queue_bytes, name="hs_queue")
+        self._stop = threading.Event()  # the one stop event every stage watches
+        self._lock = threading.Lock()  # guards _error / _outcome / _turn bookkeeping
+        self._tick_lock = threading.Lock()
+        self._interrupt: str | None = None  # set by request_stop without taking locks (signal-handler safe)
+        self._error: tuple[str, BaseException, str] | None = None
+        self._outcome: tuple[str, str] | None = None
+        self._turn = threading.Condition(self._lock)  # ordered hand-off of target results
+        self._next_seq = 0
+        self._workers_left = self.target_workers
+        self._threads: list[threading.Thread] = []
+        self.leftover_threads: list[str] = []
+        self._started = False
+        self._t0 = self._t_end = 0.0
+        self._new_stats()
+
+    def _new_stats(self) -> None:
+        self.source_stats = StageStats("source")
+        self.target_stats = StageStats("target", workers=self.target_workers)
+        self.drafter_stats = StageStats("drafter")
+
+    # -- control --------------------------------------------------------------------------------------------
+
+    def request_stop(self, reason: str = "interrupted") -> None:
+        """Ask the run to stop; ``run()`` then returns with ``stopped_by="interrupted"``.
+
+        Takes no lock and sets no event (a Python signal handler may run while the main thread holds one);
+        ``run()``'s loop turns it into the stop event within ~``POLL_S`` seconds. In sync mode the current
+        stage call finishes first.
+        """
+        self._interrupt = reason
+
+    def _set_outcome(self, stopped_by: str, reason: str) -> None:
+        with self._lock:
+            if self._outcome is None:
+                self._outcome = (stopped_by, reason)
+        self._stop.set()
+
+    def _record_error(self, stage: str, exc: BaseException) -> None:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        with self._lock:
+            first = self._error is None
+            if first:
+                self._error = (stage, exc, tb)
+        if first:
+            log.error("%s stage failed; stopping the pipeline\n%s", stage, tb)
+        else:
+            log.warning("%s stage also failed after the pipeline began stopping: %s: %s", stage,
+                        type(exc).__name__, exc)
+        self._stop.set()
+
+    def _poll_interrupt(self) -> None:
+        if self._interrupt is not None and not self._stop.is_set():
+            log.warning("pipeline stop requested: %s", self._interrupt)
+            self._set_outcome("interrupted", self._interrupt)
+
+    def _set_threads(self) -> None:
+        if self._threads_per_stage is not None:
+            torch.set_num_threads(self._threads_per_stage)
+
+    # -- run --------------------------------------------------------------------------------------------------
+
+    def run(self) -> PipelineResult:
+        """Run to the end. Returns how it stopped; raises ``StageError`` if a stage failed.
+
+        No pipeline thread is alive when this returns or raises, except ones stuck inside a stage function
+        past ``join_timeout_s`` (listed in ``leftover_threads`` and logged).
+        """
+        if self._started:
+            raise RuntimeError("a Pipeline runs once; build a new one")
+        self._started = True
+        prev_threads = torch.get_num_threads()
+        self._new_stats()
+        self._t0 = time.perf_counter()
+        try:
+            self._start_thread("monitor", self._monitor_main)
+            if self.mode == "sync":
+                self._set_threads()
+                self._run_sync()
+            else:
+                self._start_async()
+                self._wait()
+        finally:
+            self._stop.set()
+            self.target_queue.wake()
+            self.hs_queue.wake()
+            self._join_all()
+            self._t_end = time.perf_counter()
+            self._final_tick()
+            if self._threads_per_stage is not None:
+                torch.set_num_threads(prev_threads)
+
+        if self._error is not None:
+            stage, exc, tb = self._error
+            err = StageError(stage, exc, tb)
+            raise err from exc
+        stopped_by, reason = self._outcome or ("interrupted", "stopped")
+        totals = self.drafter_stats.totals()
+        log.info("pipeline stopped: %s (%s) after %d items in %.1f s", stopped_by, reason, totals["items"],
+                 self._t_end - self._t0)
+        return PipelineResult(stopped_by, reason, int(totals["items"]), int(totals["tokens"]),
+                              self._t_end - self._t0, self.stats())
+
+    def _start_thread(self, name: str, body: Callable[[], None]) -> None:
+        # Daemon: a thread stuck inside a stage function must not keep the process alive after run() gives up.
+        t = threading.Thread(target=body, name=f"dflash-{name}", daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _start_async(self) -> None:
+        self._start_thread("source", self._source_main)
+        for i in range(self.target_workers):
+            self._start_thread(f"target-{i}", self._target_main)
+        self._start_thread("drafter", self._drafter_main)
+
+    def _wait(self) -> None:
+        # Short timed slices: the main thread stays responsive to Python signal handlers.
+        while not self._stop.wait(POLL_S):
+            self._poll_interrupt()
+
+    def _join_all(self) -> None:
+        deadline = time.monotonic() + self._join_timeout_s
+        for t in self._threads:
+            while t.is_alive() and time.monotonic() < deadline:
+                t.join(POLL_S)
+        self.leftover_threads = [t.name for t in self._threads if t.is_alive()]
+        if self.leftover_threads:
+            log.warning("threads %s did not exit within %.1f s (stuck inside a stage function); they are daemon "
+                        "threads and are abandoned", self.leftover_threads, self._join_timeout_s)
+
+    # -- sync mode ----------------------------------------------------------------------------------------
+
+    def _run_sync(self) -> None:
+        it = iter(self._source)
+        stage = "source"
+        try:
+            while True:
+                self._poll_interrupt()
+                if self._stop.is_set():
+                    return
+                stage = "source"
+                with self.source_stats.busy():
+                    try:
+                        batch = next(it)
+                    except StopIteration:
+                        self._set_outcome("exhausted", "source exhausted")
+                        return
+                tokens = _num_tokens(batch)
+                self.source_stats.count(1, tokens)
+                stage = "target"
+                with self.target_stats.busy():
+                    item = self._target_fn(batch)
+                self.target_stats.count(1, tokens)
+                stage = "drafter"
+                if not self._drafter_step(item, tokens):
+                    return
+        except Exception as exc:  # noqa: BLE001 - re-raised by run() as StageError
+            self._record_error(stage, exc)
+
+    def _drafter_step(self, item: Any, tokens: int) -> bool:
+        with self.drafter_stats.busy():
+            keep = self._drafter_fn(item)
+        self.drafter_stats.count(1, tokens)
+        if not isinstance(keep, bool):
+            raise TypeError(f"drafter_fn must return a bool (False = training finished), got {type(keep).__name__}")
+        if not keep:
+            self._set_outcome("finished", "drafter_fn returned False")
+        return keep
+
+    # -- async stages -------------------------------------------------------------------------------------
+
+    def _source_main(self) -> None:
+        self._set_threads()
+        try:
+            it = iter(self._source)
+            seq = 0
+            while not self._stop.is_set():
+                with self.source_stats.busy():
+                    try:
+                        batch = next(it)
+                    except StopIteration:
+                        return
+                tokens = _num_tokens(batch)
+                self.source_stats.count(1, tokens)
+                with self.source_stats.waiting():
+                    if not self.target_queue.put(_Envelope(seq, tokens, batch), self._stop):
+                        return
+                seq += 1
+        except Exception as exc:  # noqa: BLE001
+            self._record_error("source", exc)
+        finally:
+            self.target_queue.close()
+
+    def _target_main(self) -> None:
+        self._set_threads()
+        try:
+            while True:
+                with self.target_stats.waiting():
+                    env = self.target_queue.get(self._stop)
+                if env is END:
+                    return
+                with self.target_stats.busy():
+                    out = self._target_fn(env.payload)
+                self.target_stats.count(1, env.num_tokens)
+                with self.target_stats.waiting():
+                    if not self._put_in_order(_Envelope(env.seq, env.num_tokens, out)):
+                        return
+        except Exception as exc:  # noqa: BLE001
+            self._record_error("target", exc)
+        finally:
+            with self._lock:
+                self._workers_left -= 1
+                last = self._workers_left == 0
+            if last:
+                self.hs_queue.close()
+
+    def _put_in_order(self, env: _Envelope) -> bool:
+        """Put into hs_queue only when every earlier seq is in (source order, whatever the worker count)."""
+        with self._turn:
+            while self._next_seq != env.seq:
+                if self._stop.is_set():
+                    return False
+                self._turn.wait(POLL_S)
+        ok = self.hs_queue.put(env, self._stop)
+        with self._turn:
+            self._next_seq += 1
+            self._turn.notify_all()
+        return ok
+
+    def _drafter_main(self) -> None:
+        self._set_threads()
+        try:
+            while True:
+                with self.drafter_stats.waiting():
+                    env = self.hs_queue.get(self._stop)
+                if env is END:
+                    if not self._stop.is_set():
+                        self._set_outcome("exhausted", "source exhausted")
+                    return
+                if not self._drafter_step(env.payload, env.num_tokens):
+                    return
+        except Exception as exc:  # noqa: BLE001
+            self._record_error("drafter", exc)
+        finally:
+            self._stop.set()  # the drafter is the last stage: once it is gone, everything stops
+
+    # -- monitor ------------------------------------------------------------------------------------------
+
+    def _monitor_main(self) -> None:
+        try:
+            while not self._stop.wait(self._monitor_interval_s):
+                self._tick()
+        except Exception as exc:  # noqa: BLE001
+            self._record_error("monitor", exc)
+
+    def _sample(self) -> dict[str, float]:
+        """One monitor sample (resets the interval counters): the flat ``perf/*`` dict given to ``on_tick``."""
+        tgt = self.target_stats.snapshot_and_reset()
+        dft = self.drafter_stats.snapshot_and_reset()
+        self.source_stats.snapshot_and_reset()
+        return {
+            "perf/target_queue_depth": float(self.target_queue.depth()),
+            "perf/hs_queue_depth": float(self.hs_queue.depth()),
+            "perf/hs_queue_mb": self.hs_queue.nbytes() / 2**20,
+            "perf/target_busy": tgt.busy_frac,
+            "perf/target_wait": tgt.wait_frac,
+            "perf/drafter_busy": dft.busy_frac,
+            "perf/drafter_wait_s": dft.wait_s,
+            "perf/ktok_s": dft.tokens / dft.interval_s / 1000.0,
+            "perf/interval_s": dft.interval_s,
+        }
+
+    def _tick(self) -> None:
+        with self._tick_lock:
+            s = self._sample()
+            if self._on_tick is not None:
+                self._on_tick(s)
+
+    def _final_tick(self) -> None:
+        """Last sample after all stages stopped, so even a run shorter than one interval logs a line."""
+        if any(t.name == "dflash-monitor" for t in self._threads if t.is_alive()):
+            return  # monitor stuck inside on_tick; do not call it concurrently
+        try:
+            self._tick()
+        except Exception as exc:  # noqa: BLE001
+            self._record_error("monitor", exc)
+
+    def stats(self) -> dict[str, Any]:
+        """Cumulative per-stage busy/wait totals and stand-alone throughput, plus queue peaks (for the bench)."""
+        end = self._t_end or time.perf_counter()
+        return {
+            "mode": self.mode,
+            "wall_s": end - self._t0 if self._t0 else 0.0,
+            "source": self.source_stats.totals(),
+            "target": self.target_stats.totals(),
+            "drafter": self.drafter_stats.totals(),
+            "target_queue_peak_depth": self.target_queue.peak_depth,
+            "hs_queue_peak_depth": self.hs_queue.peak_depth,
+            "hs_queue_peak_mb": self.hs_queue.peak_bytes / 2**20,
+        }

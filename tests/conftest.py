@@ -1,0 +1,57 @@
+"""Shared fixtures: one tiny random Qwen3 target per test session, and a helper to run launch.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """DFLASH_CACHE_DIR for every subprocess run: the tiny_random target is built once per session."""
+    return tmp_path_factory.mktemp("dflash-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_target(cache_dir) -> Path:
+    from omegaconf import OmegaConf
+
+    from dflash.config import TinyBuildConfig
+    from dflash.tiny import ensure_target
+
+    spec = OmegaConf.load(REPO / "conf/model/tiny_random.yaml")
+    build = TinyBuildConfig(**OmegaConf.to_container(spec.build))
+    target = cache_dir / "tiny-random-qwen3-v1"
+
+    class M:  # the two fields ensure_target reads
+        pass
+
+    m = M()
+    m.target, m.build = str(target), build
+    ensure_target(m)
+    return target
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_target):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_target)
+
+
+def launch(args: list[str], cache_dir: Path, timeout: float = 300, env: dict | None = None,
+           check: bool = False) -> subprocess.CompletedProcess:
+    """Run `python launch.py ARGS` from the repo root with the session's target cache."""
+    full_env = {**os.environ, "DFLASH_CACHE_DIR": str(cache_dir), "WANDB_MODE": "disabled",
+                "HYDRA_FULL_ERROR": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run([sys.executable, "launch.py", *args], cwd=REPO, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"launch.py {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
