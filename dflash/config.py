@@ -304,7 +304,13 @@ def resolve_target_layer_ids(model_cfg: Any, num_target_layers: int) -> list[int
     """The target layer ids a run uses, checked against the target's layer count."""
     if model_cfg.target_layer_ids is None:
         n = model_cfg.num_target_features or model_cfg.num_draft_layers
-        return default_target_layer_ids(num_target_layers, n)
+        ids = default_target_layer_ids(num_target_layers, n)
+        if len(set(ids)) != len(ids):
+            raise ConfigError(
+                f"model.target_layer_ids=null spreads {n} features over a {num_target_layers}-layer target as {ids}, "
+                "repeating layers: set model.target_layer_ids explicitly or use fewer features"
+            )
+        return ids
     ids = [int(i) for i in model_cfg.target_layer_ids]
     bad = [i for i in ids if not 0 <= i < num_target_layers]
     if bad:

@@ -167,7 +167,6 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
     from dflash.checkpoint import latest_checkpoint, load_checkpoint, read_meta, save_checkpoint
     from dflash.data import build_batches, heldout_prompts, load_tokenizer, read_prompts_file
     from dflash.drafter import DFlashDraftModel
-    from dflash.evaluate import evaluate, snapshot_drafter
     from dflash.export import build_drafter_config, export_drafter
     from dflash.pipeline import Pipeline, StageError
     from dflash.target import DTYPES, TargetModel, load_target_config, resolve_device
@@ -192,7 +191,8 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
     drafter = DFlashDraftModel(drafter_config).to(device=device, dtype=DTYPES[cfg.model.dtype])
     log.info("drafter: %d layers, %.2fM trainable params, block %d, mask id %d", drafter_config.num_hidden_layers,
              sum(p.numel() for p in drafter.parameters()) / 1e6, cfg.model.block_size, mask_id)
-    untrained = snapshot_drafter(drafter) if cfg.eval.baselines and cfg.eval.num_prompts else None
+    # the untrained drafter is the baseline that shows what training bought
+    untrained = copy.deepcopy(drafter).eval() if cfg.eval.baselines and cfg.eval.num_prompts else None
 
     total_steps = _total_steps(cfg)
     prompts = (read_prompts_file(cfg.eval.prompts_file, tokenizer) if cfg.eval.prompts_file else
@@ -207,6 +207,8 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
     def run_eval(trainer_step: int, final: bool = False) -> dict:
         if not prompts:
             return {}
+        from dflash.evaluate import evaluate, snapshot_drafter
+
         snap = snapshot_drafter(drafter)  # a consistent copy; training may go on in other threads
         t0 = time.time()
         res = evaluate(target.model, snap, prompts, max_new_tokens=cfg.eval.max_new_tokens,
@@ -287,7 +289,8 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
     finally:
         stop.set()  # ends the watcher
         try:
-            if trainer.step > 0 and cfg.checkpoint.enabled:
+            last = latest_checkpoint(run_dir)
+            if trainer.step > 0 and cfg.checkpoint.enabled and (last is None or last.name != f"step_{trainer.step}"):
                 checkpoint(trainer)  # on every exit path: lose at most the current step
         finally:
             if status != "completed":
@@ -321,7 +324,3 @@ def _truncate_metrics(path: Path, step: int) -> None:
         except json.JSONDecodeError:
             continue  # a line cut by the crash
     path.write_text("".join(l + "\n" for l in keep))
-
-
-def clone_for_baseline(drafter):
-    return copy.deepcopy(drafter).eval()

@@ -1,0 +1,116 @@
+"""Every config file composes and validates; bad input fails fast with one message naming the key or path."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from dflash.config import ConfigError, register_configs, resolve_target_layer_ids, validate
+
+from conftest import REPO, launch
+
+CONF = REPO / "conf"
+register_configs()
+
+
+def _compose(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def _group_options():
+    for group_dir in sorted(p for p in CONF.iterdir() if p.is_dir()):
+        for f in sorted(group_dir.glob("*.yaml")):
+            yield group_dir.name, f.stem
+
+
+@pytest.mark.parametrize("group,option", list(_group_options()))
+def test_every_config_file_composes_and_validates(group, option):
+    overrides = [f"{group}={option}"]
+    if (group == "data" and option == "jsonl") or option == "paper_qwen3_8b":
+        overrides.append("data.path=/some/data.jsonl")
+    cfg = _compose(overrides)
+    OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+    validate(cfg)
+    if group != "experiment":
+        assert cfg[group].name == option
+
+
+def test_published_shapes():
+    cfg = _compose(["model=qwen3_8b"])
+    assert (cfg.model.block_size, cfg.model.num_draft_layers, cfg.model.mask_token_id) == (16, 5, 151669)
+    assert resolve_target_layer_ids(cfg.model, 36) == [1, 9, 17, 25, 33]
+    cfg = _compose(["model=qwen3_6_27b"])
+    assert cfg.model.mask_token_id == 248070 and resolve_target_layer_ids(cfg.model, 64) == [1, 16, 31, 46, 61]
+
+
+@pytest.mark.parametrize("override,key", [
+    ("model.block_size=1", "model.block_size"),
+    ("loss.kl_temperature=0", "loss.kl_temperature"),
+    ("loss.streak_alpha=-0.5", "loss.streak_alpha"),
+    ("schedule.noise_start=0.1", None),  # noise_end 0 <= 0.1 is fine
+    ("schedule.noise_end=0.5", "schedule.noise_end"),  # end above start (0)
+    ("train.seq_len=8", "train.seq_len"),
+    ("logging.wandb.mode=sometimes", "logging.wandb.mode"),
+    ("pipeline.mode=parallel", "pipeline.mode"),
+    ("data.on_bad_record=ignore", "data.on_bad_record"),
+])
+def test_value_checks_name_the_key(override, key):
+    cfg = _compose([override])
+    if key is None:
+        validate(cfg)
+        return
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(cfg)
+
+
+def test_target_layer_ids_checked_against_target():
+    cfg = _compose(["model.target_layer_ids=[1,9]"])
+    with pytest.raises(ConfigError, match=r"model\.target_layer_ids"):
+        resolve_target_layer_ids(cfg.model, 6)
+
+
+def _status(run_dir: Path) -> dict:
+    return json.loads((run_dir / "status.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args,needle,creates_run_dir", [
+    (["model.blok_size=3"], "blok_size", False),  # unknown key: Hydra refuses at composition
+    (["model.block_size=abc"], "model.block_size", False),  # wrong type
+    (["model.block_size=1"], "model.block_size", True),  # out of range: our validation, in the run dir
+    (["model=tiny", "model.build.kind=none", "model.target=/nonexistent/model"], "/nonexistent/model", True),
+    (["data=jsonl", "data.path=/nonexistent/data.jsonl"], "/nonexistent/data.jsonl", True),
+])
+def test_bad_input_fails_fast(tmp_path, cache_dir, tiny_target, args, needle, creates_run_dir):
+    run_dir = tmp_path / "run"
+    t0 = time.time()
+    proc = launch(["experiment=smoke", f"hydra.run.dir={run_dir}", *args], cache_dir, timeout=120,
+                  env={"HYDRA_FULL_ERROR": "0"})
+    assert proc.returncode != 0
+    assert time.time() - t0 < 60
+    assert needle in proc.stderr + proc.stdout
+    if creates_run_dir:
+        status = _status(run_dir)
+        assert status["status"] == "failed" and needle in status["error"]
+    else:
+        assert not (run_dir / "status.json").exists()
+
+
+@pytest.mark.slow
+def test_unreadable_data_file(tmp_path, cache_dir, tiny_target):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "print(1)"}\n')
+    data.chmod(0o000)
+    if data.stat().st_mode & 0o777 == 0 and __import__("os").access(data, __import__("os").R_OK):
+        data.write_bytes(b"\xff\xfe\xfa not utf-8")  # root reads anything: make it undecodable instead
+    run_dir = tmp_path / "run"
+    proc = launch(["experiment=smoke", f"hydra.run.dir={run_dir}", "data=jsonl", f"data.path={data}"], cache_dir)
+    assert proc.returncode != 0
+    assert str(data) in proc.stderr
+    assert _status(run_dir)["status"] == "failed"
