@@ -1,0 +1,471 @@
+"""DFlash training losses: position-decayed CE, soft-label KL, streak-aware weights, fused chunked LM head.
+
+Layout (from the drafter stage): N blocks of B = block_size slots; slot 0 is the anchor (no loss), slots
+k = 1..B-1 are predicted, so every per-position tensor is [N, B-1, ...].
+
+`dflash_loss` never holds a [P x V] logits tensor for all P positions: it gathers the valid positions,
+and `_FusedLMHeadLoss` walks them in chunks of `chunk_size`. For each chunk it computes the teacher and
+draft logits with the frozen LM head, the per-position CE / KL / top-1 hit, and (when a gradient is
+needed) d(per-position loss)/d(draft hidden) right away, so backward is a per-row scale of a saved
+[P, H] tensor and no logits are recomputed. `dflash_loss_naive` is the same maths on full logits, the
+reference for tests and `python -m dflash.bench loss`.
+
+Position weights are computed outside the fused part from detached per-position scalars:
+decay_k = exp(-(k-1)/gamma) (paper Eq. 4), times a streak multiplier for `kl_streak` (see
+`streak_weights`). loss = sum(w * per_pos) / denominator, where the denominator defaults to the local
+weight sum and can be overridden (a number, a tensor, or a callable that all-reduces the local sum).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dflash.config import default_decay_gamma
+
+LOSS_NAMES = ("ce_decay", "kl", "kl_streak")
+
+# A denominator override: a number, a 0-dim tensor, or fn(local_weight_sum) -> global_weight_sum
+# (e.g. an all-reduce), which is the only way to share one global sum for data-dependent streak weights.
+Denominator = float | torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None
+
+
+@dataclass
+class LossOutput:
+    """What `dflash_loss` returns. Scalars other than `loss` are detached 0-dim tensors (no host sync).
+
+    loss:       scalar with grad, sum(w * per_pos) / denominator.
+    loss_ce:    sum(w * CE) / denominator (detached).
+    loss_kl:    sum(w * T^2 * KL) / denominator (detached); 0 for ce_decay. With these two,
+                loss == kl_weight * loss_kl + (1 - kl_weight) * loss_ce for kl and kl_streak.
+    correct:    Bool [N, B-1], draft argmax == label (False at invalid positions).
+    valid:      Bool [N, B-1], the mask the loss used.
+    weight_sum: local sum of weights over valid positions (detached), before any override.
+    """
+
+    loss: torch.Tensor
+    loss_ce: torch.Tensor
+    loss_kl: torch.Tensor
+    correct: torch.Tensor
+    valid: torch.Tensor
+    weight_sum: torch.Tensor
+
+
+# ----------------------------------------------------------------------------------------------------
+# Position weights
+
+
+def decay_weights(
+    block_size: int, gamma: float, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Paper decay exp(-(k-1)/gamma) for k = 1..block_size-1. Returns [B-1]; the first entry is 1."""
+    if block_size < 2:
+        raise ValueError(f"block_size={block_size} is invalid: must be >= 2 (an anchor plus one drafted token)")
+    if not gamma > 0:
+        raise ValueError(f"decay_gamma={gamma} is invalid: must be > 0")
+    k = torch.arange(1, block_size, device=device, dtype=torch.float64)
+    return torch.exp(-(k - 1) / gamma).to(dtype)
+
+
+def streak_weights(accept_prob: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Streak multipliers m [N, B-1] (detached) from per-position acceptance probabilities q [N, B-1].
+
+    q_i is the draft's probability of the label at position i (exp(-CE_i)). The survival of the
+    teacher-forced streak up to position k is S_1 = 1, S_k = prod_{i<k} q_i (an exclusive cumulative
+    product along the block), and the multiplier is
+
+        m_k = (1 - alpha) + alpha * S_k.
+
+    The loss weight is decay_k * m_k. alpha = 0 gives m = 1 (plain decay weights); alpha = 1 weights
+    each position by the probability that drafting reaches it, so the budget goes to the positions where
+    the streak breaks rather than to positions after an already-likely break. This is a prefix-only
+    relative of D-PACE (which sums such products over the suffix); positions without supervision should
+    carry q = 1 so that they do not cut the streak.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"streak_alpha={alpha} is invalid: must be in [0, 1]")
+    q = accept_prob.detach()
+    survival = torch.ones_like(q)
+    if q.shape[-1] > 1:
+        survival[..., 1:] = torch.cumprod(q[..., :-1], dim=-1)  # S_k = prod_{i<k} q_i
+    return (1.0 - alpha) + alpha * survival
+
+
+def position_weights(
+    loss_name: str,
+    ce: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+    decay_gamma: float,
+    streak_alpha: float,
+) -> torch.Tensor:
+    """Detached weights [N, B-1]: decay (times streak multiplier for kl_streak), 0 at invalid positions.
+
+    ce: [N, B-1] per-position hard-label CE (any value at invalid positions).
+    """
+    w = decay_weights(block_size, decay_gamma, device=ce.device).expand_as(ce)
+    if loss_name == "kl_streak":
+        q = torch.where(valid, torch.exp(-ce.detach().float()), torch.ones_like(w))
+        w = w * streak_weights(q, streak_alpha)
+    return torch.where(valid, w, torch.zeros_like(w))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fused chunked LM head + per-position losses
+
+
+class _FusedLMHeadLoss(torch.autograd.Function):
+    """Per-position losses of the frozen LM head, computed chunk by chunk.
+
+    forward(h [P, H], t [P, H] | None, labels [P], W [V, H], a, b, T, chunk) ->
+        per_pos [P] (differentiable: a * T^2 * KL + b * CE), ce [P], kl [P], correct [P] (not differentiable)
+    Only [chunk, V] logits exist at a time; when h needs a gradient, d per_pos / d h [P, H] is formed in
+    forward (one extra [chunk, V] x [V, H] matmul, the same one autograd would run in backward) and backward
+    scales its rows. No gradient flows into W or t (both frozen).
+    """
+
+    @staticmethod
+    def forward(ctx, h, t, labels, weight, a, b, temperature, chunk_size):  # noqa: D102
+        need_grad = ctx.needs_input_grad[0]
+        n = h.shape[0]
+        per_pos = torch.empty(n, device=h.device, dtype=torch.float32)
+        ce = torch.empty_like(per_pos)
+        kl = torch.zeros_like(per_pos)
+        correct = torch.empty(n, device=h.device, dtype=torch.bool)
+        grad_h = torch.empty_like(h) if need_grad else None
+        for start in range(0, n, chunk_size):
+            sl = slice(start, min(start + chunk_size, n))
+            out = _chunk_losses(h[sl], None if t is None else t[sl], labels[sl], weight, a, b, temperature, need_grad)
+            ce[sl], kl[sl], correct[sl] = out[0], out[1], out[2]
+            per_pos[sl] = b * out[0] + (a * temperature**2) * out[1]  # ce_decay: a = 0, b = 1, kl = 0
+            if need_grad:
+                grad_h[sl] = out[3]
+        ctx.mark_non_differentiable(ce, kl, correct)
+        if need_grad:
+            ctx.save_for_backward(grad_h)
+        return per_pos, ce, kl, correct
+
+    @staticmethod
+    def backward(ctx, g_per_pos, _g_ce, _g_kl, _g_correct):  # noqa: D102
+        (grad_h,) = ctx.saved_tensors
+        g = grad_h * g_per_pos.to(grad_h.dtype).unsqueeze(-1)  # (P, H)
+        return g, None, None, None, None, None, None, None
+
+
+def _chunk_losses(
+    h: torch.Tensor,
+    t: torch.Tensor | None,
+    labels: torch.Tensor,
+    weight: torch.Tensor,
+    a: float,
+    b: float,
+    temperature: float,
+    need_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One chunk: (ce [c], kl [c], correct [c], d per_pos / d h [c, H] or None). Softmaxes in float32.
+
+    With s the draft logits, p_t = softmax(t/T), per_pos = a*T^2*KL(p_t || softmax(s/T)) + b*CE:
+    d per_pos / d s = a*T*(softmax(s/T) - p_t) + b*(softmax(s) - onehot(label)).
+    """
+    s = (h @ weight.T).float()  # (c, V) draft logits
+    lse = torch.logsumexp(s, dim=-1)
+    ce = lse - s.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    correct = s.argmax(dim=-1) == labels
+    kl = torch.zeros_like(ce)
+    ds = None
+    if t is not None:
+        t_logits = (t @ weight.T).float()  # (c, V)
+        if temperature != 1.0:
+            t_logits.div_(temperature)
+        logp_t = torch.log_softmax(t_logits, dim=-1)
+        del t_logits  # at most ~4 [c, V] float32 tensors live at once
+        logq = torch.log_softmax(s / temperature, dim=-1) if temperature != 1.0 else s - lse.unsqueeze(-1)
+        p_t = logp_t.exp()
+        kl = (p_t * (logp_t - logq)).sum(-1)
+        del logp_t
+        if need_grad and a != 0.0:
+            ds = logq.exp_().sub_(p_t).mul_(a * temperature)  # reuses logq's storage
+        del logq, p_t
+    if not need_grad:
+        return ce, kl, correct, None
+    if b != 0.0 or ds is None:
+        sm = s.sub_(lse.unsqueeze(-1)).exp_()  # softmax(s), in place: s is no longer needed
+        sm[torch.arange(sm.shape[0], device=sm.device), labels] -= 1.0
+        ds = sm.mul_(b) if ds is None else ds.add_(sm, alpha=b)
+    return ce, kl, correct, ds.to(weight.dtype) @ weight
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public losses
+
+
+def _check_inputs(
+    draft_hidden: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    loss_name: str,
+    block_size: int,
+    teacher_hidden: torch.Tensor | None,
+    chunk_size: int,
+) -> None:
+    if loss_name not in LOSS_NAMES:
+        raise ValueError(f"loss.name={loss_name!r} is invalid: must be one of {', '.join(LOSS_NAMES)}")
+    if loss_name != "ce_decay" and teacher_hidden is None:
+        raise ValueError(f"loss.name={loss_name!r} needs teacher_hidden (the target's last hidden states); got None")
+    if draft_hidden.dim() != 3 or draft_hidden.shape[1] != block_size - 1:
+        raise ValueError(
+            f"draft_hidden must be [N, block_size - 1 = {block_size - 1}, H]; got {tuple(draft_hidden.shape)}"
+        )
+    if labels.shape != draft_hidden.shape[:2] or valid.shape != draft_hidden.shape[:2]:
+        raise ValueError(
+            f"labels {tuple(labels.shape)} and valid {tuple(valid.shape)} must be [N, B-1] = {tuple(draft_hidden.shape[:2])}"
+        )
+    if teacher_hidden is not None and teacher_hidden.shape != draft_hidden.shape:
+        raise ValueError(f"teacher_hidden {tuple(teacher_hidden.shape)} must match draft_hidden {tuple(draft_hidden.shape)}")
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != draft_hidden.shape[2]:
+        raise ValueError(f"lm_head_weight must be [V, H={draft_hidden.shape[2]}]; got {tuple(lm_head_weight.shape)}")
+    if lm_head_weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError("lm_head_weight requires grad, but the fused loss treats the LM head as frozen; "
+                         "call lm_head.weight.requires_grad_(False)")
+    if chunk_size < 1:
+        raise ValueError(f"loss.chunk_size={chunk_size} is invalid: must be >= 1")
+
+
+def _kl_coefficients(loss_name: str, kl_weight: float) -> tuple[float, float]:
+    """(a, b) in per_pos = a * T^2 * KL + b * CE."""
+    if loss_name == "ce_decay":
+        return 0.0, 1.0
+    if not 0.0 <= kl_weight <= 1.0:
+        raise ValueError(f"loss.kl_weight={kl_weight} is invalid: must be in [0, 1]")
+    return kl_weight, 1.0 - kl_weight
+
+
+def _finish(
+    per_pos: torch.Tensor,
+    ce: torch.Tensor,
+    kl: torch.Tensor,
+    w: torch.Tensor,
+    weight_denominator: Denominator,
+    correct: torch.Tensor,
+    valid: torch.Tensor,
+    temperature: float,
+    anchor: torch.Tensor,
+) -> LossOutput:
+    """Weighted sums over positions; per_pos/ce/kl/w share one layout (flat valid positions or [N, B-1])."""
+    weight_sum = w.sum()
+    if weight_denominator is None:
+        denom = weight_sum
+    elif callable(weight_denominator):
+        denom = torch.as_tensor(weight_denominator(weight_sum.detach()), dtype=torch.float32, device=w.device)
+    else:
+        denom = torch.as_tensor(weight_denominator, dtype=torch.float32, device=w.device)
+    # a zero-weight batch gives 0 / 1 = 0 instead of 0 / 0 = NaN
+    denom = torch.where(denom > 0, denom, torch.ones_like(denom)).detach()
+    # `anchor * 0` keeps the graph connected to draft_hidden when there is no valid position
+    loss = (w * per_pos).sum() / denom + anchor.sum() * 0.0
+    return LossOutput(
+        loss=loss,
+        loss_ce=((w * ce.detach()).sum() / denom).detach(),
+        loss_kl=((w * kl.detach()).sum() / denom * temperature**2).detach(),
+        correct=correct,
+        valid=valid,
+        weight_sum=weight_sum.detach(),
+    )
+
+
+def dflash_loss(
+    draft_hidden: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    *,
+    loss_name: str,
+    block_size: int,
+    decay_gamma: float | None,
+    kl_temperature: float,
+    kl_weight: float,
+    streak_alpha: float,
+    teacher_hidden: torch.Tensor | None = None,
+    chunk_size: int = 256,
+    weight_denominator: Denominator = None,
+) -> LossOutput:
+    """The DFlash drafter loss, fused with the LM head and computed in chunks of positions.
+
+    draft_hidden:   [N, B-1, H] drafter output after its final norm (requires grad).
+    labels:         [N, B-1] token at anchor + k (any value at invalid positions).
+    valid:          [N, B-1] bool, position is supervised.
+    lm_head_weight: [V, H] frozen LM head of the target (logits = hidden @ W.T); gets no gradient.
+    teacher_hidden: [N, B-1, H] target's final-normed last hidden state at anchor + k - 1; needed by kl, kl_streak.
+    loss_name:      ce_decay: sum(w * CE) / sum(w), w = exp(-(k-1)/gamma).
+                    kl: per position kl_weight * T^2 * KL(softmax(t/T) || softmax(s/T)) + (1 - kl_weight) * CE,
+                    same weights. kl_streak: as kl, w = decay * streak multiplier (`streak_weights`).
+    decay_gamma:    None = the paper default for block_size (7 / 5 / 4 for 16 / 10 / 8).
+    chunk_size:     positions per fused chunk: peak extra memory is a few [chunk_size, V] float32 tensors.
+    weight_denominator: None = local weight sum; a number / tensor; or fn(local_sum) -> global_sum.
+    """
+    _check_inputs(draft_hidden, labels, valid, lm_head_weight, loss_name, block_size, teacher_hidden, chunk_size)
+    gamma = default_decay_gamma(block_size) if decay_gamma is None else decay_gamma
+    a, b = _kl_coefficients(loss_name, kl_weight)
+    temperature = float(kl_temperature) if loss_name != "ce_decay" else 1.0
+    if not temperature > 0:
+        raise ValueError(f"loss.kl_temperature={kl_temperature} is invalid: must be > 0")
+
+    n_blocks, width, hidden = draft_hidden.shape
+    valid = valid.bool()
+    idx = valid.reshape(-1).nonzero().squeeze(-1)  # (Pv,) flat indices of supervised positions
+    h = draft_hidden.reshape(-1, hidden).index_select(0, idx).to(lm_head_weight.dtype)  # (Pv, H)
+    t = None
+    if loss_name != "ce_decay":
+        t = teacher_hidden.detach().reshape(-1, hidden).index_select(0, idx).to(h.dtype)
+    lab = labels.reshape(-1).index_select(0, idx).long()
+
+    per_pos, ce, kl, hit = _FusedLMHeadLoss.apply(h, t, lab, lm_head_weight.detach(), a, b, temperature, chunk_size)
+
+    # back to [N, B-1] for the weights (the streak needs the block layout); invalid positions get CE 0
+    ce_full = torch.zeros(n_blocks * width, device=ce.device, dtype=ce.dtype).index_copy_(0, idx, ce)
+    ce_full = ce_full.view(n_blocks, width)
+    correct = torch.zeros(n_blocks * width, device=hit.device, dtype=torch.bool).index_copy_(0, idx, hit)
+    w = position_weights(loss_name, ce_full, valid, block_size, gamma, streak_alpha).reshape(-1).index_select(0, idx)
+    return _finish(per_pos, ce, kl, w, weight_denominator, correct.view(n_blocks, width), valid,
+                   temperature, draft_hidden)
+
+
+def dflash_loss_naive(
+    draft_hidden: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    *,
+    loss_name: str,
+    block_size: int,
+    decay_gamma: float | None,
+    kl_temperature: float,
+    kl_weight: float,
+    streak_alpha: float,
+    teacher_hidden: torch.Tensor | None = None,
+    chunk_size: int = 256,
+    weight_denominator: Denominator = None,
+) -> LossOutput:
+    """`dflash_loss` on full [N, B-1, V] logits with plain autograd: the reference (chunk_size is ignored)."""
+    _check_inputs(draft_hidden, labels, valid, lm_head_weight, loss_name, block_size, teacher_hidden, chunk_size)
+    gamma = default_decay_gamma(block_size) if decay_gamma is None else decay_gamma
+    a, b = _kl_coefficients(loss_name, kl_weight)
+    temperature = float(kl_temperature) if loss_name != "ce_decay" else 1.0
+    valid = valid.bool()
+    lab = torch.where(valid, labels.long(), torch.zeros_like(labels, dtype=torch.long))
+
+    logits = (draft_hidden.to(lm_head_weight.dtype) @ lm_head_weight.detach().T).float()  # (N, B-1, V)
+    ce = F.cross_entropy(logits.flatten(0, 1), lab.flatten(), reduction="none").view_as(lab)
+    correct = (logits.argmax(-1) == lab) & valid
+    kl = torch.zeros_like(ce)
+    per_pos = ce
+    if loss_name != "ce_decay":
+        t_logits = (teacher_hidden.detach().to(lm_head_weight.dtype) @ lm_head_weight.detach().T).float()
+        logp_t = torch.log_softmax(t_logits / temperature, dim=-1)
+        logq = torch.log_softmax(logits / temperature, dim=-1)
+        kl = (logp_t.exp() * (logp_t - logq)).sum(-1)
+        per_pos = a * temperature**2 * kl + b * ce
+    w = position_weights(loss_name, ce, valid, block_size, gamma, streak_alpha)
+    zero = torch.zeros_like(per_pos)
+    # where() so that NaN/inf at invalid positions (e.g. garbage labels) cannot leak into the sum
+    return _finish(torch.where(valid, per_pos, zero), torch.where(valid, ce, zero), torch.where(valid, kl, zero), w,
+                   weight_denominator, correct, valid, temperature, draft_hidden)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Teacher-forced block metrics
+
+
+class BlockMetricsAccumulator:
+    """Sums block metrics over several steps; `compute()` gives the `train/...` dict for a monitor tick.
+
+    Counts stay on the tensors' device between updates (no host sync per step); `compute()` copies them
+    once. update() and compute() may be called from different threads.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._valid_per_pos: torch.Tensor | None = None  # (B-1,) int64
+            self._correct_per_pos: torch.Tensor | None = None  # (B-1,) int64
+            self._streak_sum: torch.Tensor | None = None
+            self._num_blocks: torch.Tensor | None = None
+
+    def update(self, correct: torch.Tensor, valid: torch.Tensor) -> None:
+        """correct, valid: Bool [N, B-1]. Invalid positions end a block's streak."""
+        if correct.shape != valid.shape or correct.dim() != 2:
+            raise ValueError(f"correct {tuple(correct.shape)} and valid {tuple(valid.shape)} must both be [N, B-1]")
+        valid = valid.detach().bool()
+        hit = correct.detach().bool() & valid
+        has_valid = valid.any(dim=1)
+        # leading run of correct valid positions: cumprod stays 1 until the first miss
+        leading = torch.cumprod(hit.long(), dim=1).sum(dim=1)
+        streak_sum = ((leading + 1) * has_valid).sum()
+        with self._lock:
+            if self._valid_per_pos is not None and self._valid_per_pos.shape[0] != valid.shape[1]:
+                raise ValueError(
+                    f"block width changed from {self._valid_per_pos.shape[0]} to {valid.shape[1]} positions; reset() first"
+                )
+            if self._valid_per_pos is None:
+                self._valid_per_pos = valid.sum(0)
+                self._correct_per_pos = hit.sum(0)
+                self._streak_sum = streak_sum
+                self._num_blocks = has_valid.sum()
+            else:
+                self._valid_per_pos = self._valid_per_pos + valid.sum(0)
+                self._correct_per_pos = self._correct_per_pos + hit.sum(0)
+                self._streak_sum = self._streak_sum + streak_sum
+                self._num_blocks = self._num_blocks + has_valid.sum()
+
+    def compute(self) -> dict[str, float]:
+        """`train/accuracy`, `train/avg_streak`, `train/acc_pos_<k>` (k = 1..B-1); keys with no data are omitted."""
+        with self._lock:
+            if self._valid_per_pos is None:
+                return {}
+            v = self._valid_per_pos.cpu().tolist()
+            c = self._correct_per_pos.cpu().tolist()
+            streak_sum = int(self._streak_sum.item())
+            num_blocks = int(self._num_blocks.item())
+        out: dict[str, float] = {}
+        if sum(v) > 0:
+            out["train/accuracy"] = sum(c) / sum(v)
+        if num_blocks > 0:
+            out["train/avg_streak"] = streak_sum / num_blocks
+        for k, (vk, ck) in enumerate(zip(v, c), start=1):
+            if vk > 0:
+                out[f"train/acc_pos_{k}"] = ck / vk
+        return out
+
+
+def block_metrics(correct: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
+    """Teacher-forced metrics of one batch; see `BlockMetricsAccumulator`.
+
+    train/accuracy:   top-1 accuracy over valid positions.
+    train/avg_streak: over blocks with a valid position, 1 + number of leading correct valid positions
+                      (the teacher-forced proxy of the acceptance length tau; the anchor counts as 1).
+    train/acc_pos_k:  accuracy at block position k over blocks where k is valid.
+    """
+    acc = BlockMetricsAccumulator()
+    acc.update(correct, valid)
+    return acc.compute()
+
+
+__all__ = [
+    "LOSS_NAMES",
+    "BlockMetricsAccumulator",
+    "LossOutput",
+    "block_metrics",
+    "decay_weights",
+    "dflash_loss",
+    "dflash_loss_naive",
+    "position_weights",
+    "streak_weights",
+]
