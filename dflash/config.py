@@ -156,7 +156,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     max_bad_steps: int = 10
-    fail_at_step: int | None = None  # testing hook: raise inside the drafter step at this step
+    fail_at_step: int | None = None  # fault injection for tests: raise in the drafter stage at this step
+    fail_target_at_batch: int | None = None  # ... and in the target stage at this batch
 
 
 @dataclass

@@ -268,7 +268,7 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
 
         pipeline = Pipeline(
             batches.iterate(*trainer.next_data),
-            TargetStep(target, device, cfg.train.get("fail_target_at_batch")),
+            TargetStep(target, device, cfg.train.fail_target_at_batch),
             trainer.step_fn,
             mode=cfg.pipeline.mode, queue_size=cfg.pipeline.queue_size, queue_bytes=cfg.pipeline.queue_bytes,
             target_workers=cfg.pipeline.target_workers, monitor_interval_s=cfg.pipeline.monitor_interval_s,

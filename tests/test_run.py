@@ -1,0 +1,128 @@
+"""End-to-end runs of launch.py on the tiny random target: output directory, metrics, every loss, faults, signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, launch
+
+pytestmark = pytest.mark.slow
+
+DESIGN_TRAIN_KEYS = ["train/loss", "train/loss_ce", "train/loss_kl", "train/accuracy", "train/avg_streak",
+                     "train/acc_pos_1", "train/lr", "train/noise_std", "train/grad_norm"]
+DESIGN_PERF_KEYS = ["perf/ktok_s", "perf/target_queue_depth", "perf/hs_queue_depth", "perf/target_busy",
+                    "perf/drafter_busy", "perf/drafter_wait_s"]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def status(run_dir: Path) -> dict:
+    return json.loads((run_dir / "status.json").read_text())
+
+
+def test_smoke_run_leaves_a_complete_run_dir(tmp_path, cache_dir, tiny_target):
+    run_dir = tmp_path / "run"
+    launch(["experiment=smoke", f"hydra.run.dir={run_dir}", "train.max_steps=12", "pipeline.monitor_interval_s=0.05",
+            "train.seed=3"], cache_dir, check=True,
+           env={"WANDB_API_KEY": "secret-key-should-not-leak-123"})
+    for name in ("config_resolved.yaml", "run.json", "status.json", "metrics.jsonl", "summary.json", "eval.json",
+                 ".hydra/config.yaml", "drafter/config.json", "drafter/model.safetensors", "drafter/dflash.py"):
+        assert (run_dir / name).exists(), name
+    assert status(run_dir)["status"] == "completed"
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["choices"]["model"] == "tiny_random" and "train.seed=3" in run["overrides"]
+    assert {"torch", "transformers", "hydra-core"} <= set(run["packages"]) and "sha" in run["git"]
+    for f in run_dir.rglob("*"):
+        if f.is_file() and f.suffix in (".json", ".yaml", ".jsonl", ".log"):
+            assert "secret-key-should-not-leak-123" not in f.read_text(errors="ignore"), f
+    cfg = (run_dir / "config_resolved.yaml").read_text()
+    assert "${" not in cfg and "tiny-random-qwen3-v1" in cfg
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r]
+    assert records, "no training records"
+    for key in DESIGN_TRAIN_KEYS + DESIGN_PERF_KEYS + ["step", "tokens", "time_s"]:
+        assert key in records[-1], key
+    assert records[-1]["step"] == 12
+    steps = [r["step"] for r in records]
+    assert steps == sorted(steps)
+    assert any(r["perf/hs_queue_depth"] > 0 for r in records)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["step"] == 12 and "eval/tau" in summary
+
+
+@pytest.mark.parametrize("loss", ["ce_decay", "kl", "kl_streak"])
+def test_each_loss_runs_and_logs(tmp_path, cache_dir, tiny_target, loss):
+    run_dir = tmp_path / loss
+    launch(["experiment=smoke", f"loss={loss}", f"hydra.run.dir={run_dir}", "eval.num_prompts=0",
+            "schedule.noise_start=0.1", "schedule.noise_end=0.01"], cache_dir, check=True)
+    last = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r][-1]
+    for key in DESIGN_TRAIN_KEYS:
+        assert key in last and last[key] is not None, key
+    if loss == "ce_decay":
+        assert last["train/loss_kl"] == 0.0
+    else:
+        assert last["train/loss_kl"] > 0.0
+    assert 0.01 <= last["train/noise_std"] <= 0.1
+
+
+@pytest.mark.parametrize("args,stage", [
+    (["train.fail_target_at_batch=3"], "target"),
+    (["train.fail_at_step=3"], "drafter"),
+])
+def test_stage_fault_ends_the_run(tmp_path, cache_dir, tiny_target, args, stage):
+    run_dir = tmp_path / "run"
+    t0 = time.time()
+    proc = launch(["experiment=smoke", f"hydra.run.dir={run_dir}", "train.max_steps=50", *args], cache_dir, timeout=60)
+    assert proc.returncode != 0 and time.time() - t0 < 30
+    st = status(run_dir)
+    assert st["status"] == "failed" and f"{stage} stage failed" in st["error"]
+    log = (run_dir / "launch.log").read_text()
+    assert "Traceback" in log and "injected" in log
+
+
+@pytest.mark.parametrize("mode", ["fail", "skip"])
+def test_malformed_record(tmp_path, cache_dir, tiny_target, mode):
+    data = tmp_path / "data.jsonl"
+    good = json.dumps({"text": "def f(x):\n    return x + 1\n" * 40})
+    chat = json.dumps({"messages": [{"role": "user", "content": "add"}, {"role": "assistant", "content": "x + 1" * 30}]})
+    data.write_text("\n".join([good, chat, good, "{not json", good, good] * 4) + "\n")
+    run_dir = tmp_path / "run"
+    proc = launch(["experiment=smoke", f"hydra.run.dir={run_dir}", "data=jsonl", f"data.path={data}",
+                   f"data.on_bad_record={mode}", "eval.num_prompts=0"], cache_dir, timeout=60)
+    if mode == "fail":
+        assert proc.returncode != 0
+        assert f"{data}:4" in proc.stderr and "invalid JSON" in proc.stderr
+        assert status(run_dir)["status"] == "failed"
+    else:
+        assert proc.returncode == 0, proc.stderr
+        last = read_jsonl(run_dir / "metrics.jsonl")[-1]
+        assert last["data/skipped_records"] == 4
+
+
+def test_sigterm_interrupts_cleanly(tmp_path, cache_dir, tiny_target):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "DFLASH_CACHE_DIR": str(cache_dir), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "launch.py", "experiment=smoke", f"hydra.run.dir={run_dir}",
+                             "train.max_steps=100000", "checkpoint.every_steps=0"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
+        time.sleep(0.2)
+    time.sleep(1.0)
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    assert time.time() - t0 < 30
+    assert proc.returncode != 0
+    st = status(run_dir)
+    assert st["status"] == "interrupted"
+    assert list((run_dir / "checkpoints").glob("step_*")), "SIGTERM must write a checkpoint"
