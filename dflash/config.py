@@ -158,6 +158,7 @@ class TrainConfig:
     max_bad_steps: int = 10
     fail_at_step: int | None = None  # fault injection for tests: raise in the drafter stage at this step
     fail_target_at_batch: int | None = None  # ... and in the target stage at this batch
+    crash_at_step: int | None = None  # ... SIGKILL the whole process after this step (a node crash)
 
 
 @dataclass

@@ -132,8 +132,9 @@ def resume_config(cfg: DictConfig, info: JobInfo) -> DictConfig:
         )
     merged = OmegaConf.merge(cfg, saved)  # typed node from this composition, values from the saved run
     for o in changes:
-        key, _, value = o.partition("=")
-        OmegaConf.update(merged, key, OmegaConf.create({"v": value}).v if value else None, merge=True)
+        key = o.split("=", 1)[0]
+        # the value as this command's composition parsed it (types, null, lists)
+        OmegaConf.update(merged, key, OmegaConf.select(cfg, key), merge=False)
     merged.resume = str(run_dir)
     return merged
 
@@ -214,7 +215,8 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
         res = evaluate(target.model, snap, prompts, max_new_tokens=cfg.eval.max_new_tokens,
                        block_size=cfg.model.block_size, temperature=cfg.eval.temperature,
                        baselines=cfg.eval.baselines and final, ngram=cfg.eval.prompt_lookup_ngram,
-                       untrained_drafter=untrained if final else None, seed=cfg.train.seed)
+                       untrained_drafter=untrained if final else None, seed=cfg.train.seed,
+                       eos_id=tokenizer.eos_token_id, tokenizer=tokenizer)
         details = res.pop("details", None)
         res = {k: float(v) for k, v in res.items() if isinstance(v, (int, float))}
         log.info("eval at step %d: tau %.3f%s (%.1fs)", trainer_step, res.get("eval/tau", float("nan")),

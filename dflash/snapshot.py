@@ -20,7 +20,11 @@ from omegaconf import DictConfig, OmegaConf
 
 PACKAGES = ("torch", "transformers", "hydra-core", "omegaconf", "wandb", "safetensors", "tokenizers", "dflash")
 # keys whose values are secrets wherever they appear (config, argv, overrides)
-_SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|passwd|credential)", re.IGNORECASE)
+# (not "token" alone: max_new_tokens and mask_token_id are config, not secrets)
+_SECRET_KEY = re.compile(
+    r"(api[_-]?key|secret|password|passwd|credential|(^|[_.-])(hf|auth|access|bearer|api|wandb|github|refresh)[_-]?token$)",
+    re.IGNORECASE,
+)
 REDACTED = "<redacted>"
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -202,6 +204,8 @@ class DrafterTrainer:
             )
         if self.after_step is not None:
             self.after_step(self)
+        if cfg.train.crash_at_step is not None and self.step >= cfg.train.crash_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)  # fault injection: no cleanup, exactly like kill -9
         return not self.done()
 
     # --- state for checkpoints -----------------------------------------------------------------------

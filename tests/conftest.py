@@ -12,6 +12,14 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """In-process tests use tiny models: one intra-op thread is far faster than two on a shared 2-core box."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     """DFLASH_CACHE_DIR for every subprocess run: the tiny_random target is built once per session."""

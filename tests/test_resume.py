@@ -1,0 +1,146 @@
+"""Checkpoints, resume and fault tolerance."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash.checkpoint import CheckpointMismatch, latest_checkpoint, load_checkpoint, save_checkpoint
+
+from conftest import REPO, launch
+from test_drafter import make_drafter
+
+COMMON = ["experiment=smoke", "pipeline=sync", "train.max_steps=12", "checkpoint.every_steps=4", "eval.num_prompts=0",
+          "checkpoint.keep_last=5"]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def final_weights(run_dir: Path) -> dict:
+    return load_file(str(run_dir / "drafter" / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_kill9_then_resume_matches_uninterrupted_run(tmp_path, cache_dir, tiny_target):
+    ref, crashed = tmp_path / "ref", tmp_path / "crashed"
+    launch([*COMMON, f"hydra.run.dir={ref}"], cache_dir, check=True)
+    proc = launch([*COMMON, f"hydra.run.dir={crashed}", "train.crash_at_step=9"], cache_dir)
+    assert proc.returncode == -signal.SIGKILL  # killed after its second checkpoint (steps 4, 8)
+    assert json.loads((crashed / "status.json").read_text())["status"] == "running"
+    assert latest_checkpoint(crashed).name == "step_8"
+
+    launch([f"resume={crashed}", "train.crash_at_step=null"], cache_dir, check=True)
+    assert json.loads((crashed / "status.json").read_text())["status"] == "completed"
+    steps = [r["step"] for r in read_jsonl(crashed / "metrics.jsonl") if "train/loss" in r]
+    assert len(steps) == len(set(steps)) and steps == sorted(steps) and steps[-1] == 12
+    ref_steps = [r["step"] for r in read_jsonl(ref / "metrics.jsonl") if "train/loss" in r]
+    assert ref_steps[-1] == 12
+    a, b = final_weights(ref), final_weights(crashed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs after resume"  # bitwise on CPU with pipeline=sync
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoint_then_resume_completes(tmp_path, cache_dir, tiny_target):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "DFLASH_CACHE_DIR": str(cache_dir), "WANDB_MODE": "disabled"}
+    proc = subprocess.Popen([sys.executable, "launch.py", "experiment=smoke", f"hydra.run.dir={run_dir}",
+                             "train.max_steps=100000", "checkpoint.every_steps=0", "eval.num_prompts=0"],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "interrupted"
+    ckpt = latest_checkpoint(run_dir)
+    assert ckpt is not None
+    stopped_at = int(ckpt.name.split("_")[1])
+    launch([f"resume={run_dir}", f"train.max_steps={stopped_at + 5}"], cache_dir, check=True)
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r]
+    assert steps[-1] == stopped_at + 5 and len(steps) == len(set(steps))
+
+
+@pytest.mark.slow
+def test_resume_refuses_model_change(tmp_path, cache_dir, tiny_target):
+    run_dir = tmp_path / "run"
+    launch([*COMMON, f"hydra.run.dir={run_dir}", "train.max_steps=4"], cache_dir, check=True)
+    proc = launch([f"resume={run_dir}", "model.block_size=8"], cache_dir)
+    assert proc.returncode != 0 and "model.block_size" in proc.stderr and "keeps its model" in proc.stderr
+
+
+class _Trainer:
+    def __init__(self, step):
+        self.step = step
+
+    def state_dict(self):
+        return {"step": self.step, "tokens": 10 * self.step, "optimizer": {}, "next_data": [0, self.step]}
+
+
+def test_truncated_checkpoint_is_ignored(tmp_path):
+    d = make_drafter()
+    save_checkpoint(tmp_path, d, _Trainer(4).state_dict(), {}, keep_last=3)
+    save_checkpoint(tmp_path, d, _Trainer(8).state_dict(), {}, keep_last=3)
+    ckpts = tmp_path / "checkpoints"
+    # a write cut short: weights present, meta.json missing -> not complete
+    (ckpts / "step_8" / "meta.json").unlink()
+    shutil.copytree(ckpts / "step_4", ckpts / "step_12.tmp")  # and a temp dir that was never renamed
+    assert latest_checkpoint(tmp_path).name == "step_4"
+    # truncated weights with a meta.json: the file is unreadable, also skipped
+    save_checkpoint(tmp_path, d, _Trainer(16).state_dict(), {}, keep_last=5)
+    (ckpts / "step_16" / "state.pt").unlink()
+    assert latest_checkpoint(tmp_path).name == "step_4"
+
+
+def test_keep_last_prunes(tmp_path):
+    d = make_drafter()
+    for step in (1, 2, 3, 4):
+        save_checkpoint(tmp_path, d, _Trainer(step).state_dict(), {}, keep_last=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_3", "step_4"]
+
+
+def test_checkpoint_of_another_shape_or_mask_is_refused(tmp_path):
+    save_checkpoint(tmp_path, make_drafter(mask_id=1), _Trainer(1).state_dict(), {}, keep_last=1)
+    ckpt = latest_checkpoint(tmp_path)
+    load_checkpoint(ckpt, make_drafter(mask_id=1, seed=5))  # same shape: loads
+    with pytest.raises(CheckpointMismatch, match="mask_token_id"):
+        load_checkpoint(ckpt, make_drafter(mask_id=2))
+    with pytest.raises(CheckpointMismatch, match="num_hidden_layers"):
+        load_checkpoint(ckpt, make_drafter(layers=2))
+    with pytest.raises(CheckpointMismatch, match="target_layer_ids"):
+        load_checkpoint(ckpt, make_drafter(layer_ids=(1, 3)))
+
+
+def test_state_is_loaded_with_weights_only(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, make_drafter(), _Trainer(1).state_dict(), {}, keep_last=1)
+    calls = []
+    real = torch.load
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("weights_only"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+
+    class T:
+        def load_state_dict(self, state):
+            self.state = state
+
+    t = T()
+    load_checkpoint(latest_checkpoint(tmp_path), make_drafter(), t)
+    assert calls == [True] and t.state["step"] == 1

@@ -1,0 +1,83 @@
+"""The drafter training step on the tiny random target: learning, non-finite steps, determinism."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from dflash.config import register_configs
+from dflash.data import Batch
+from dflash.export import build_drafter_config
+from dflash.drafter import DFlashDraftModel
+from dflash.target import TargetModel
+from dflash.trainer import DrafterTrainer, TargetStep, TrainingDiverged
+
+from conftest import REPO
+
+register_configs()
+
+
+@pytest.fixture()
+def parts(tiny_target, tiny_tokenizer):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "experiment=smoke", f"model.target={tiny_target}", "train.max_bad_steps=3", "train.max_steps=100"])
+    target = TargetModel.load(str(tiny_target), [1, 2])
+    mask_id = tiny_tokenizer.mask_token_id
+    torch.manual_seed(0)
+    drafter = DFlashDraftModel(build_drafter_config(target.model.config, cfg.model, [1, 2], mask_id))
+    return cfg, target, drafter, mask_id
+
+
+def _batch(seed=0, seq=64, vocab=500) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, vocab, (2, seq), generator=g)
+    return Batch(ids, torch.ones(2, seq, dtype=torch.bool), ids.numel(), 0, seed)
+
+
+def test_training_reduces_loss_on_a_repeated_batch(parts):
+    cfg, target, drafter, mask_id = parts
+    cfg.schedule.lr, cfg.loss.name = 1e-2, "ce_decay"  # memorise one batch quickly
+    trainer = DrafterTrainer(cfg, target, drafter, mask_id, total_steps=100)
+    item = TargetStep(target, torch.device("cpu"))(_batch())
+    losses = []
+    for _ in range(60):
+        trainer.step_fn(item)
+        losses.append(trainer.metrics()["train/loss"])
+    # random tokens, anchors resampled every step: memorising is slow but steady (about -0.27 nats by step 60)
+    assert losses[-1] < losses[0] - 0.15
+    assert trainer.step == 60 and trainer.tokens == 60 * item.num_tokens and trainer.next_data == (0, 1)
+
+
+def test_non_finite_steps_are_skipped_then_fail(parts):
+    cfg, target, drafter, mask_id = parts
+    trainer = DrafterTrainer(cfg, target, drafter, mask_id, total_steps=100)
+    item = TargetStep(target, torch.device("cpu"))(_batch())
+    trainer.step_fn(item)
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    bad = TargetStep(target, torch.device("cpu"))(_batch())
+    bad.target_hidden[:] = float("nan")
+    trainer.step_fn(bad)
+    trainer.step_fn(bad)
+    assert trainer.skipped_steps == 2 and trainer.metrics()["train/skipped_steps"] == 2
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(v, before[k]), k  # weights untouched by skipped steps
+    trainer.step_fn(item)  # a good step resets the run of bad ones
+    with pytest.raises(TrainingDiverged, match="max_bad_steps=3"):
+        for _ in range(3):
+            trainer.step_fn(bad)
+
+
+def test_steps_are_deterministic(parts):
+    cfg, target, _, mask_id = parts
+    results = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        drafter = DFlashDraftModel(build_drafter_config(target.model.config, cfg.model, [1, 2], mask_id))
+        trainer = DrafterTrainer(cfg, target, drafter, mask_id, total_steps=100)
+        for i in range(3):
+            trainer.step_fn(TargetStep(target, torch.device("cpu"))(_batch(i)))
+        results.append({k: v.clone() for k, v in drafter.state_dict().items()})
+    for k in results[0]:
+        assert torch.equal(results[0][k], results[1][k]), k
