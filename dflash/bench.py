@@ -10,6 +10,8 @@ loss: the fused chunked loss (`dflash_loss`) against full-logits autograd (`dfla
       allocates (logits, softmaxes, gradients), on CPU or, for cuda, torch.cuda.max_memory_allocated.
       Options: blocks=70 block_size=16 hidden=4096 vocab=151936 dtype=float32 chunk_size=256 repeats=2
       device=cpu.
+pipeline: pipeline=async against pipeline=sync on the same config with the real stages; see
+      dflash/bench_pipeline.py for what is measured and its options.
 """
 
 from __future__ import annotations
@@ -131,7 +133,13 @@ def bench_loss(args: list[str]) -> None:
           f"rel grad-norm diff {abs(a['grad_norm'] - b['grad_norm']) / max(a['grad_norm'], 1e-30):.3g}")
 
 
-BENCHES: dict[str, Callable[[list[str]], None]] = {"loss": bench_loss}
+def bench_pipeline(args: list[str]) -> None:
+    from dflash.bench_pipeline import bench_pipeline as run
+
+    run(args)
+
+
+BENCHES: dict[str, Callable[[list[str]], None]] = {"loss": bench_loss, "pipeline": bench_pipeline}
 _WORKERS: dict[str, Callable[[list[str]], None]] = {"_loss_worker": _loss_worker}
 
 

@@ -108,6 +108,19 @@ class LoggingConfig:
 
 
 @dataclass
+class RegenerateConfig:
+    """Train on the target's own continuations of prompts from the corpus (the paper regenerates responses
+    with the target "for better target alignment"): the drafter learns what the target will actually say."""
+
+    enabled: bool = False
+    num_prompts: int = 4096
+    prompt_len: int = 32  # prompt tokens (not supervised)
+    max_new_tokens: int = 128  # generated tokens per prompt (supervised)
+    temperature: float = 0.0  # 0 = greedy, matching greedy evaluation
+    batch_size: int = 256
+
+
+@dataclass
 class DataConfig:
     name: str = MISSING  # stdlib | jsonl
     path: str | None = None  # jsonl: a file or a directory of .jsonl files
@@ -115,6 +128,7 @@ class DataConfig:
     holdout_fraction: float = 0.05  # stdlib: share of files kept out of training for eval prompts
     max_files: int | None = None  # stdlib: cap on source files read (null = all)
     min_supervised_tokens: int | None = None  # null = 2 * block_size
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
 
 @dataclass
@@ -256,6 +270,13 @@ def validate(cfg: DictConfig | Config) -> None:
     if d.name == "jsonl":
         _check(bool(d.path), "data.path", d.path, "data=jsonl needs data.path (a .jsonl file or a directory of them)")
     _check(0.0 < d.holdout_fraction < 1.0, "data.holdout_fraction", d.holdout_fraction, "must be in (0, 1)")
+    r = d.regenerate
+    if r.enabled:
+        _check(d.name == "stdlib", "data.regenerate.enabled", r.enabled,
+               "regeneration is built in for data=stdlib; regenerate chat data offline and use data=jsonl")
+        for key in ("num_prompts", "prompt_len", "max_new_tokens", "batch_size"):
+            _check(getattr(r, key) >= 1, f"data.regenerate.{key}", getattr(r, key), "must be >= 1")
+        _check(r.temperature >= 0, "data.regenerate.temperature", r.temperature, "must be >= 0 (0 = greedy)")
 
     p = c.pipeline
     _one_of("pipeline.mode", p.mode, ("async", "sync"))

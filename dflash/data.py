@@ -211,10 +211,13 @@ def load_tokenizer(target: str):
     return AutoTokenizer.from_pretrained(target)
 
 
-def build_batches(data_cfg, train_cfg, tokenizer, block_size: int) -> tuple[PackedBatches, int]:
+def build_batches(data_cfg, train_cfg, tokenizer, block_size: int, target_model=None, target_path: str = "",
+                  cache_dir: str | None = None) -> tuple[PackedBatches, int]:
     """The training batches for a run: (PackedBatches, number of skipped records)."""
     skipped = 0
-    if data_cfg.name == "stdlib":
+    if data_cfg.name == "stdlib" and data_cfg.regenerate.enabled:
+        docs = regenerated_corpus(target_model, tokenizer, target_path, data_cfg, train_cfg.seed, cache_dir)
+    elif data_cfg.name == "stdlib":
         docs = stdlib_documents(tokenizer, "train", data_cfg.holdout_fraction, data_cfg.max_files)
     else:
         docs, skipped = read_jsonl(data_cfg.path, tokenizer, data_cfg.on_bad_record)
@@ -228,28 +231,100 @@ def build_batches(data_cfg, train_cfg, tokenizer, block_size: int) -> tuple[Pack
     return PackedBatches(ids, mask, train_cfg.seq_len, train_cfg.batch_size, train_cfg.seed, min_sup), skipped
 
 
+def sample_prompts(tokenizer, texts: list[str], num_prompts: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    """`prompt_len`-token windows that start at a line start of randomly chosen texts. Deterministic per seed."""
+    g = torch.Generator().manual_seed(seed)
+    prompts: list[list[int]] = []
+    if not texts:
+        return prompts
+    attempts = 0
+    while len(prompts) < num_prompts and attempts < 20 * num_prompts + 100:
+        attempts += 1
+        text = texts[int(torch.randint(0, len(texts), (1,), generator=g))]
+        lines = text.splitlines(keepends=True)
+        if len(lines) < 4:
+            continue
+        start = int(torch.randint(0, max(1, len(lines) - 2), (1,), generator=g))
+        ids = tokenizer("".join(lines[start : start + 64]), add_special_tokens=False)["input_ids"]
+        if len(ids) >= prompt_len:
+            prompts.append(ids[:prompt_len])
+    return prompts
+
+
 def heldout_prompts(tokenizer, data_cfg, num_prompts: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
-    """Eval prompts: `prompt_len`-token windows starting at a line start of held-out text (stdlib held-out files,
-    or for jsonl the last records of the data). Deterministic for a given seed."""
+    """Eval prompts from held-out text: stdlib held-out files, or for jsonl the last records of the data."""
     if data_cfg.name == "stdlib":
         texts = [read_text(p) for p in stdlib_files("heldout", data_cfg.holdout_fraction)]
     else:
         docs, _ = read_jsonl(data_cfg.path, tokenizer, "skip")
         texts = [tokenizer.decode(d.ids) for d in docs[-max(num_prompts, 1) * 4 :]]
-    g = torch.Generator().manual_seed(seed)
-    prompts: list[list[int]] = []
-    order = torch.randperm(len(texts), generator=g).tolist() if texts else []
-    for i in order:
-        lines = texts[i].splitlines(keepends=True)
-        if len(lines) < 4:
-            continue
-        start = int(torch.randint(0, max(1, len(lines) // 2), (1,), generator=g))
-        ids = tokenizer("".join(lines[start:]), add_special_tokens=False)["input_ids"]
-        if len(ids) >= prompt_len:
-            prompts.append(ids[:prompt_len])
-        if len(prompts) >= num_prompts:
-            break
-    return prompts
+    return sample_prompts(tokenizer, texts, num_prompts, prompt_len, seed)
+
+
+@torch.no_grad()
+def regenerate_documents(model, tokenizer, prompts: list[list[int]], regen_cfg, seed: int) -> list[Document]:
+    """The target's own continuations: prompt tokens unsupervised, generated tokens supervised.
+    All prompts have the same length, so batches need no padding."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    docs: list[Document] = []
+    device = next(model.parameters()).device
+    torch.manual_seed(seed)
+    bs = regen_cfg.batch_size
+    sample = regen_cfg.temperature > 0
+    with Progress(TextColumn("regenerating data with the target"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total} prompts"), TimeRemainingColumn()) as bar:
+        task = bar.add_task("regen", total=len(prompts))
+        for i in range(0, len(prompts), bs):
+            x = torch.tensor(prompts[i : i + bs], device=device)
+            out = model.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=regen_cfg.max_new_tokens, do_sample=sample,
+                temperature=regen_cfg.temperature if sample else None, top_p=None, top_k=None,
+                pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+            )
+            for row in out.tolist():
+                gen = row[x.shape[1] :]
+                if tokenizer.eos_token_id in gen:  # keep the EOS itself: the drafter should learn where text ends
+                    gen = gen[: gen.index(tokenizer.eos_token_id) + 1]
+                docs.append(Document(row[: x.shape[1]] + gen, [False] * x.shape[1] + [True] * len(gen)))
+            bar.update(task, advance=len(x))
+            log.info("regenerated %d/%d prompts", min(i + bs, len(prompts)), len(prompts))
+    return docs
+
+
+def regenerated_corpus(model, tokenizer, target_path: str, data_cfg, seed: int, cache_dir: str | None) -> list[Document]:
+    """Regenerated documents, cached under cache_dir keyed by the target's files and the settings."""
+    r = data_cfg.regenerate
+    key_src = json.dumps({
+        "target": str(Path(target_path).expanduser().resolve()) if Path(target_path).expanduser().exists() else target_path,
+        "config": _file_fingerprint(Path(target_path) / "config.json"),
+        "weights": _file_fingerprint(Path(target_path) / "model.safetensors"),
+        "regen": {k: getattr(r, k) for k in ("num_prompts", "prompt_len", "max_new_tokens", "temperature")},
+        "holdout": data_cfg.holdout_fraction, "max_files": data_cfg.max_files, "seed": seed,
+    }, sort_keys=True)
+    digest = hashlib.sha1(key_src.encode()).hexdigest()[:16]
+    cache = Path(cache_dir).expanduser() / f"regen-{digest}.json" if cache_dir else None
+    if cache is not None and cache.exists():
+        raw = json.loads(cache.read_text())
+        log.info("regenerated data from cache %s (%d documents)", cache, len(raw))
+        return [Document(d["ids"], [bool(m) for m in d["mask"]]) for d in raw]
+    texts = [read_text(p) for p in stdlib_files("train", data_cfg.holdout_fraction, data_cfg.max_files)]
+    prompts = sample_prompts(tokenizer, texts, r.num_prompts, r.prompt_len, seed)
+    docs = regenerate_documents(model, tokenizer, prompts, r, seed)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(cache.name + ".tmp")
+        tmp.write_text(json.dumps([{"ids": d.ids, "mask": [int(m) for m in d.loss_mask]} for d in docs]))
+        tmp.replace(cache)
+    return docs
+
+
+def _file_fingerprint(path: Path) -> list | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return [st.st_size, int(st.st_mtime)]
 
 
 def read_prompts_file(path: str, tokenizer) -> list[list[int]]:

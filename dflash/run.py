@@ -49,9 +49,34 @@ def hydra_job_info() -> JobInfo:
     run_dir = Path(hc.runtime.output_dir)
     overrides = list(hc.overrides.task)
     is_multirun = hc.mode == RunMode.MULTIRUN
-    job_name = ",".join(o for o in overrides if not o.startswith(("hydra.", "resume="))) or run_dir.name
+    own = [o for o in overrides if not o.startswith(("hydra.", "resume="))]
+    if is_multirun:  # name a sweep's job by what varies: its values of the swept keys
+        swept = _swept_keys()
+        own = [o for o in own if o.split("=", 1)[0].lstrip("+~") in swept] or own
+    job_name = ",".join(own) or run_dir.name
     choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}
     return JobInfo(run_dir, job_name, hc.sweep.dir if is_multirun else None, overrides, choices)
+
+
+def _swept_keys() -> set[str]:
+    """Keys the command line sweeps over (`key=a,b`, `range(...)`, `choice(...)`), read from sys.argv, plus
+    those of `hydra.sweeper.params` in the config."""
+    import sys
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    args = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]
+    keys: set[str] = set()
+    try:
+        for o in OverridesParser.create().parse_overrides(args):
+            if o.is_sweep_override():
+                keys.add(o.key_or_group)
+    except Exception:  # noqa: BLE001 - naming is cosmetic; never fail a job over it
+        pass
+    params = HydraConfig.get().sweeper.get("params") or {}
+    keys.update(str(k) for k in params)
+    return keys
 
 
 def main(cfg: DictConfig, info: JobInfo | None = None) -> float | None:
@@ -184,9 +209,15 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
     layer_ids = resolve_target_layer_ids(cfg.model, target_config.num_hidden_layers)
     tokenizer = load_tokenizer(cfg.model.target)
     mask_id = _mask_token_id(cfg, tokenizer, target_config.vocab_size)
-    batches, skipped_records = build_batches(cfg.data, cfg.train, tokenizer, cfg.model.block_size)
+    if cfg.data.name == "jsonl":  # a bad data file fails before the target loads
+        from dflash.data import jsonl_files
+
+        jsonl_files(cfg.data.path)
     device = resolve_device(cfg.model.device)
     target = TargetModel.load(cfg.model.target, layer_ids, cfg.model.dtype, cfg.model.device)
+    batches, skipped_records = build_batches(cfg.data, cfg.train, tokenizer, cfg.model.block_size,
+                                             target_model=target.model, target_path=cfg.model.target,
+                                             cache_dir=cfg.paths.cache_dir)
 
     drafter_config = build_drafter_config(target_config, cfg.model, layer_ids, mask_id)
     drafter = DFlashDraftModel(drafter_config).to(device=device, dtype=DTYPES[cfg.model.dtype])

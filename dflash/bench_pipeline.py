@@ -1,0 +1,173 @@
+"""`python -m dflash.bench pipeline [key=value ...]`: async vs sync pipeline on the same config, in one run.
+
+The stages are the real ones (`trainer.TargetStep`, `trainer.DrafterTrainer.step_fn`, `pipeline.Pipeline`),
+fed with random token batches, on a Qwen3-shaped random target saved and loaded with `from_pretrained`
+like any other. It measures, side by side:
+
+  target stand-alone   TargetStep alone over the batches          (tokens/s)
+  drafter stand-alone  DrafterTrainer.step_fn alone over precomputed items
+  sync                 pipeline=sync: the stages one after the other in one thread
+  async                pipeline=async: stages in threads joined by bounded queues
+
+and prints async/sync and async/min(stand-alone). On CPU every stage gets `threads` torch threads (default 1:
+two stages on two cores), so sync runs on one core while async uses one per stage; balanced stages give a
+physical limit of async/sync = 2. `sync_all_threads` adds a sync run with all cores for context.
+
+Options: size=tiny|1b device=auto dtype=float32 batch_size=8 seq_len=256 num_anchors=auto block_size=8
+steps=40 warmup=5 threads=1 queue_size=4.
+  size=tiny: hidden 256, 6 layers (the embedded default's shape); size=1b: Qwen3-shaped, hidden 2048, 24 layers,
+  ~1B parameters with its embeddings (for a GPU: device=cuda dtype=bfloat16).
+  num_anchors=auto balances the stages: it times the target step, then picks the anchors per sequence whose
+  drafter step takes about as long.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULTS = {"size": "tiny", "device": "auto", "dtype": "float32", "batch_size": "8", "seq_len": "256",
+            "num_anchors": "auto", "block_size": "8", "steps": "40", "warmup": "5", "threads": "1",
+            "queue_size": "4"}
+
+SHAPES = {
+    "tiny": dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64),
+    "1b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+               num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+}
+
+
+def _config(opts: dict, target_dir: Path, num_anchors: int):
+    from hydra import compose, initialize_config_dir
+
+    from dflash.config import register_configs
+
+    register_configs()
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        return compose(config_name="config", overrides=[
+            "model=tiny", f"model.target={target_dir}", "model.build.kind=none",
+            f"model.block_size={opts['block_size']}", "model.target_layer_ids=[1,3]", f"model.dtype={opts['dtype']}",
+            f"model.device={opts['device']}", f"train.batch_size={opts['batch_size']}",
+            f"train.seq_len={opts['seq_len']}", f"train.num_anchors={num_anchors}", "train.max_steps=1000000",
+            "logging=jsonl", "schedule=constant",
+        ])
+
+
+def _throughput(fn, items, warmup: int) -> tuple[float, float]:
+    """(tokens/s, seconds per item) of fn over items after `warmup` untimed calls."""
+    for it in items[:warmup]:
+        fn(it)
+    sync_device()
+    t0 = time.perf_counter()
+    tokens = 0
+    for it in items[warmup:]:
+        fn(it)
+        tokens += it.num_tokens
+    sync_device()
+    dt = time.perf_counter() - t0
+    return tokens / dt, dt / max(1, len(items) - warmup)
+
+
+def sync_device() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def bench_pipeline(args: list[str]) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash.bench import _parse_opts
+    from dflash.data import Batch
+    from dflash.drafter import DFlashDraftModel
+    from dflash.export import build_drafter_config
+    from dflash.pipeline import Pipeline
+    from dflash.target import TargetModel, resolve_device
+    from dflash.trainer import DrafterTrainer, TargetStep
+
+    opts = _parse_opts(args, DEFAULTS)
+    if opts["device"] == "auto":
+        opts["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(opts["device"])
+    threads = int(opts["threads"])
+    steps, warmup = int(opts["steps"]), int(opts["warmup"])
+    bsz, seq = int(opts["batch_size"]), int(opts["seq_len"])
+    cores = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        target_dir = Path(tmp) / "target"
+        shape = SHAPES[opts["size"]]
+        Qwen3ForCausalLM(Qwen3Config(**shape, tie_word_embeddings=True, max_position_embeddings=4096)).save_pretrained(
+            target_dir)
+        cfg = _config(opts, target_dir, 1)
+        target = TargetModel.load(str(target_dir), [1, 3], cfg.model.dtype, cfg.model.device)
+        vocab = shape["vocab_size"]
+        g = torch.Generator().manual_seed(0)
+        batches = [Batch(torch.randint(2, vocab, (bsz, seq), generator=g), torch.ones(bsz, seq, dtype=torch.bool),
+                         bsz * seq, 0, i) for i in range(steps + warmup)]
+        target_step = TargetStep(target, device)
+        target_tok_s, target_s = _throughput(target_step, batches, warmup)
+        items = [target_step(b) for b in batches]
+
+        drafter0 = DFlashDraftModel(build_drafter_config(target.model.config, cfg.model, [1, 3], 1)).to(
+            device=device, dtype=target.dtype)
+
+        def make_trainer(num_anchors: int):
+            c = _config(opts, target_dir, num_anchors)
+            return DrafterTrainer(c, target, copy.deepcopy(drafter0), 1, total_steps=10**6)
+
+        if opts["num_anchors"] == "auto":  # balance: the anchors whose drafter step takes about the target's time
+            best = None
+            for n in (4, 8, 16, 24, 32, 48, 64, 96, 128):
+                if n * int(opts["block_size"]) > seq * 2:
+                    break
+                _, s = _throughput(make_trainer(n).step_fn, items[: warmup + 4], warmup)
+                if best is None or abs(s - target_s) < abs(best[1] - target_s):
+                    best = (n, s)
+            num_anchors = best[0]
+        else:
+            num_anchors = int(opts["num_anchors"])
+        drafter_tok_s, _ = _throughput(make_trainer(num_anchors).step_fn, items, warmup)
+
+        def run_pipeline(mode: str, stage_threads: int) -> tuple[float, dict]:
+            trainer = make_trainer(num_anchors)
+            for it in items[:warmup]:
+                trainer.step_fn(it)
+            limit = itertools.islice(itertools.cycle(batches), steps)
+            pipe = Pipeline(limit, target_step, trainer.step_fn, mode=mode, queue_size=int(opts["queue_size"]),
+                            monitor_interval_s=3600, threads_per_stage=stage_threads if device.type == "cpu" else None)
+            res = pipe.run()
+            return res.tokens / res.wall_s, pipe.stats()
+
+        sync_tok_s, _ = run_pipeline("sync", threads)
+        async_tok_s, stats = run_pipeline("async", threads)
+        sync_all_tok_s = None
+        if device.type == "cpu" and cores > threads:
+            sync_all_tok_s, _ = run_pipeline("sync", cores)
+
+    params = sum(p.numel() for p in target.parameters()) / 1e6
+    print(f"pipeline bench: target {opts['size']} ({params:.0f}M params), drafter {sum(p.numel() for p in drafter0.parameters()) / 1e6:.1f}M, "
+          f"device {device}, dtype {opts['dtype']}, batch {bsz} x seq {seq}, block {opts['block_size']}, "
+          f"{num_anchors} anchors/seq, {steps} steps after {warmup} warm-up, {threads} torch thread(s) per stage")
+    print(f"{'stage / mode':<28}{'ktok/s':>10}")
+    rows = [("target stand-alone", target_tok_s), ("drafter stand-alone", drafter_tok_s),
+            (f"sync ({threads} thread)", sync_tok_s), (f"async ({threads} thread/stage)", async_tok_s)]
+    if sync_all_tok_s:
+        rows.append((f"sync ({cores} threads)", sync_all_tok_s))
+    for name, v in rows:
+        print(f"{name:<28}{v / 1000:>10.2f}")
+    print(f"async / sync:                 {async_tok_s / sync_tok_s:.2f}  (limit 2.0 for balanced stages)")
+    print(f"async / min(stand-alone):     {async_tok_s / min(target_tok_s, drafter_tok_s):.2f}")
+    if sync_all_tok_s:
+        print(f"async / sync({cores} threads):     {async_tok_s / sync_all_tok_s:.2f}")
+    t, d = stats["target"], stats["drafter"]
+    print(f"async busy fractions: target {t['busy_s'] / stats['wall_s']:.2f}, drafter {d['busy_s'] / stats['wall_s']:.2f}; "
+          f"hs_queue peak depth {stats['hs_queue_peak_depth']}")

@@ -1,0 +1,68 @@
+"""Multirun sweeps through launch.py and their comparison by output directory."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pytest
+
+from dflash.compare import main as compare_main
+
+from conftest import launch
+
+pytestmark = pytest.mark.slow
+
+SMOKE = ["experiment=smoke", "train.max_steps=4", "eval.num_prompts=1", "eval.max_new_tokens=4"]
+
+
+def _compare(capsys, *args) -> str:
+    assert compare_main([str(a) for a in args]) == 0
+    return capsys.readouterr().out
+
+
+def test_four_job_sweep_and_compare(tmp_path, cache_dir, tiny_target, capsys):
+    sweep = tmp_path / "sweep"
+    launch(["-m", *SMOKE, f"hydra.sweep.dir={sweep}", "loss.kl_temperature=1,2", "loss.streak_alpha=0,0.5"],
+           cache_dir, check=True, timeout=600)
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
+    assert len(jobs) == 4 and all((j / "config_resolved.yaml").exists() for j in jobs)
+    summary = json.loads((sweep / "sweep.json").read_text())
+    assert len(summary["jobs"]) == 4 and all(j["status"] == "completed" for j in summary["jobs"])
+
+    rows = list(csv.DictReader(io.StringIO(_compare(capsys, sweep, "--format", "csv"))))
+    assert len(rows) == 4
+    assert {"loss.kl_temperature", "loss.streak_alpha", "eval/tau", "status"} <= set(rows[0])
+    assert {(r["loss.kl_temperature"], r["loss.streak_alpha"]) for r in rows} == {
+        ("1.0", "0.0"), ("1.0", "0.5"), ("2.0", "0.0"), ("2.0", "0.5")}
+    table = _compare(capsys, sweep)
+    assert "loss.kl_temperature" in table and "loss.streak_alpha" in table
+    plot = tmp_path / "curves.png"
+    _compare(capsys, sweep, "--plot", plot)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_with_a_failed_job_still_summarises(tmp_path, cache_dir, tiny_target, capsys):
+    sweep = tmp_path / "sweep"
+    proc = launch(["-m", *SMOKE, f"hydra.sweep.dir={sweep}", "train.fail_at_step=null,2"], cache_dir, timeout=600)
+    assert proc.returncode != 0  # Hydra reports the failed job after running all of them
+    summary = json.loads((sweep / "sweep.json").read_text())
+    assert sorted(j["status"] for j in summary["jobs"]) == ["completed", "failed"]
+    rows = list(csv.DictReader(io.StringIO(_compare(capsys, sweep, "--format", "csv"))))
+    assert sorted(r["status"] for r in rows) == ["completed", "failed"]
+
+
+def test_seeds_group_with_mean_and_std(tmp_path, cache_dir, tiny_target, capsys):
+    sweep = tmp_path / "sweep"
+    launch(["-m", *SMOKE, f"hydra.sweep.dir={sweep}", "train.seed=0,1,2", "eval.num_prompts=0"], cache_dir,
+           check=True, timeout=600)
+    data = json.loads(_compare(capsys, sweep, "--group-by", "auto", "--format", "json", "--metrics", "train/loss"))
+    rows = data if isinstance(data, list) else data["rows"]
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["n"] == 3
+    losses = [json.loads(l)["train/loss"] for j in range(3)
+              for l in (sweep / str(j) / "metrics.jsonl").read_text().splitlines()[-1:]]
+    mean = sum(losses) / 3
+    assert abs(float(row["train/loss mean"]) - mean) < 1e-6
