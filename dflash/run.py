@@ -190,11 +190,11 @@ def _total_steps(cfg) -> int:
 def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event | None = None) -> dict:
     """Build everything from cfg and train. Returns summary.json's content."""
     from dflash.callbacks import RunInfo, build_callbacks
-    from dflash.checkpoint import latest_checkpoint, load_checkpoint, read_meta, save_checkpoint
+    from dflash.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from dflash.data import build_batches, heldout_prompts, load_tokenizer, read_prompts_file
     from dflash.drafter import DFlashDraftModel
     from dflash.export import build_drafter_config, export_drafter
-    from dflash.pipeline import Pipeline, StageError
+    from dflash.pipeline import Pipeline
     from dflash.target import DTYPES, TargetModel, load_target_config, resolve_device
     from dflash.tiny import ensure_target
     from dflash.trainer import DrafterTrainer, TargetStep
@@ -306,7 +306,7 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
             mode=cfg.pipeline.mode, queue_size=cfg.pipeline.queue_size, queue_bytes=cfg.pipeline.queue_bytes,
             target_workers=cfg.pipeline.target_workers, monitor_interval_s=cfg.pipeline.monitor_interval_s,
             on_tick=on_tick, join_timeout_s=cfg.pipeline.join_timeout_s,
-            threads_per_stage=cfg.pipeline.threads_per_stage,
+            threads_per_stage=_threads_per_stage(cfg, device),
         )
         watcher = threading.Thread(target=_forward_stop, args=(stop, pipeline), daemon=True, name="signal-watch")
         watcher.start()
@@ -316,7 +316,7 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
             pipeline.run()
         if stop.is_set():
             status, reason = "interrupted", "stopped by signal"
-    except StageError:
+    except BaseException:
         status = "failed"
         raise
     finally:
@@ -338,6 +338,16 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
     if status == "completed":
         callbacks.on_run_end(status, summary)
     return {**summary, "_status": status, "_reason": reason}
+
+
+def _threads_per_stage(cfg, device: torch.device) -> int | None:
+    """CPU: each concurrently running stage gets its share of the cores (oversubscribing them slows both)."""
+    if device.type != "cpu":
+        return None
+    if cfg.pipeline.threads_per_stage is not None:
+        return cfg.pipeline.threads_per_stage
+    stages = cfg.pipeline.target_workers + 1 if cfg.pipeline.mode == "async" else 1
+    return max(1, torch.get_num_threads() // stages)
 
 
 def _forward_stop(stop: threading.Event, pipeline) -> None:
