@@ -22,7 +22,7 @@ class TrainingBlocks:
     labels: torch.Tensor  # (bsz, N, B-1) long: token at a_j + k
     label_valid: torch.Tensor  # (bsz, N, B-1) bool: block valid and label a supervised token
     teacher_positions: torch.Tensor  # (bsz, N, B-1) long: a_j + k - 1, the target position predicting label k
-    attention_mask: torch.Tensor  # (bsz, 1, N * B, S + N * B) bool, True = may attend
+    attention_mask: object  # (bsz, 1, N * B, S + N * B) bool tensor (True = may attend), or a flex BlockMask
 
 
 def sample_anchors(
@@ -68,6 +68,23 @@ def build_training_attention_mask(anchors: torch.Tensor, block_valid: torch.Tens
     return torch.cat([ctx_visible, same_block], dim=-1).unsqueeze(1)
 
 
+def build_flex_block_mask(anchors: torch.Tensor, block_valid: torch.Tensor, seq_len: int, block_size: int):
+    """The same visibility as `build_training_attention_mask`, as a FlexAttention BlockMask: only tiles with a
+    visible entry are computed, so the cost grows with what each block sees, not with (N*B) x (S + N*B)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bsz, n = anchors.shape
+    q_len, kv_len = n * block_size, seq_len + n * block_size
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        blk = q_idx // block_size
+        ctx = (kv_idx < seq_len) & (kv_idx < anchors[b, blk]) & block_valid[b, blk]
+        same_block = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == blk)
+        return ctx | same_block
+
+    return create_block_mask(mask_mod, bsz, None, q_len, kv_len, device=str(anchors.device))
+
+
 def build_training_blocks(
     input_ids: torch.Tensor,  # (bsz, S)
     loss_mask: torch.Tensor,  # (bsz, S) bool
@@ -75,7 +92,9 @@ def build_training_blocks(
     block_valid: torch.Tensor,  # (bsz, N)
     block_size: int,
     mask_token_id: int,
+    attention: str = "sdpa",
 ) -> TrainingBlocks:
+    """attention: "sdpa" builds a dense boolean mask, "flex" a FlexAttention BlockMask."""
     bsz, seq_len = input_ids.shape
     n = anchors.shape[1]
     device = input_ids.device
@@ -99,7 +118,8 @@ def build_training_blocks(
         labels=labels,
         label_valid=label_valid,
         teacher_positions=pos_clamped[:, :, :-1],  # a_j + k - 1 for k = 1..B-1
-        attention_mask=build_training_attention_mask(anchors, block_valid, seq_len, block_size),
+        attention_mask=(build_flex_block_mask if attention == "flex" else build_training_attention_mask)(
+            anchors, block_valid, seq_len, block_size),
     )
 
 

@@ -57,6 +57,7 @@ class ModelConfig:
     mask_token: str = "<|MASK|>"
     dtype: str = "float32"  # float32 | bfloat16 | float16 (target and drafter weights)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    attention: str = "auto"  # training attention: sdpa (dense bool mask) | flex (BlockMask, CUDA) | auto
     # drafter attention/MLP shape; null = the target's value
     draft_num_attention_heads: int | None = None
     draft_num_key_value_heads: int | None = None
@@ -238,6 +239,7 @@ def validate(cfg: DictConfig | Config) -> None:
     if m.mask_token_id is not None:
         _check(m.mask_token_id >= 0, "model.mask_token_id", m.mask_token_id, "must be >= 0")
     _one_of("model.build.kind", m.build.kind, ("none", "tiny", "tiny_random"))
+    _one_of("model.attention", m.attention, ("auto", "sdpa", "flex"))
 
     lo = c.loss
     _one_of("loss.name", lo.name, ("ce_decay", "kl", "kl_streak"))

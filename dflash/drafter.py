@@ -13,8 +13,9 @@ keys/values ("KV injection"):
                 x = x + o_proj(attn(q, k, v));  x = x + mlp(post_attention_layernorm(x))
     out = norm(x)
 
-Training (many blocks at once) passes a boolean `attention_mask` of shape (bsz, 1, q_len, ctx_len + q_len);
-inference passes no mask (non-causal: the block sees all cached context and its whole self).
+Training (many blocks at once) passes either a boolean `attention_mask` of shape (bsz, 1, q_len, ctx_len + q_len)
+(SDPA) or a FlexAttention `BlockMask` (sparse: only visible tiles are computed; CUDA, compiled); inference passes
+no mask (non-causal: the block sees all cached context and its whole self).
 """
 
 from __future__ import annotations
@@ -25,6 +26,23 @@ from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
 
 __all__ = ["DFlashDraftModel", "Qwen3DFlashAttention", "Qwen3DFlashDecoderLayer", "DraftKVCache"]
+
+try:  # FlexAttention (torch >= 2.5); its backward runs on CUDA only
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # pragma: no cover - old torch
+    BlockMask, flex_attention = None, None
+
+_compiled_flex = None
+
+
+def _flex(q, k, v, block_mask):
+    """flex_attention, compiled once on CUDA (eager flex is a slow reference implementation)."""
+    global _compiled_flex
+    if q.device.type != "cuda":
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
 def _rope_theta(config: Qwen3Config) -> float:
@@ -137,6 +155,9 @@ class Qwen3DFlashAttention(nn.Module):
         k = _apply_rope(k, cos, sin)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
+        if BlockMask is not None and isinstance(attention_mask, BlockMask):
+            out = _flex(q, k, v, attention_mask)
+            return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
         if self.num_kv_heads != self.num_heads:
             rep = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)

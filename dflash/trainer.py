@@ -72,6 +72,15 @@ class TargetStep:
         )
 
 
+def training_attention(name: str, device: torch.device) -> str:
+    """auto = FlexAttention on CUDA (sparse tiles), SDPA with a dense mask elsewhere (flex has no CPU backward)."""
+    if name == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    if name == "flex" and device.type != "cuda":
+        raise ValueError("model.attention=flex needs a CUDA device (FlexAttention has no CPU backward); use sdpa")
+    return name
+
+
 def step_generator(seed: int, step: int, stream: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + step) * 8 + stream)
 
@@ -95,6 +104,7 @@ class DrafterTrainer:
             weight_decay=t.weight_decay,
         )
         self.lm_head_weight = target.lm_head.weight  # frozen, shared with the target
+        self.attention = training_attention(cfg.model.attention, next(drafter.parameters()).device)
         self.step = 0  # optimizer steps taken (skipped steps included)
         self.tokens = 0
         self.skipped_steps = 0
@@ -142,7 +152,8 @@ class DrafterTrainer:
         """Forward of all blocks of a batch in one pass; returns the loss output of dflash.losses."""
         cfg, B = self.cfg, self.block_size
         anchors, valid = sample_anchors(item.loss_mask, cfg.train.num_anchors, B, step_generator(cfg.train.seed, step, 0))
-        blocks = build_training_blocks(item.input_ids, item.loss_mask, anchors, valid, B, self.mask_token_id)
+        blocks = build_training_blocks(item.input_ids, item.loss_mask, anchors, valid, B, self.mask_token_id,
+                                       self.attention)
         with torch.no_grad():
             noise_embedding = self.target.embed_tokens(blocks.input_ids).to(self.drafter.dtype)
         target_hidden = add_feature_noise(item.target_hidden.to(self.drafter.dtype), noise_std,

@@ -218,3 +218,24 @@ def test_drafter_requires_dflash_config():
     cfg = Qwen3Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
     with pytest.raises(ValueError, match="dflash_config"):
         DFlashDraftModel(cfg)
+
+
+def test_flex_block_mask_matches_dense_mask():
+    """The FlexAttention path sees exactly what the dense SDPA mask allows (forward; flex has no CPU backward)."""
+    from dflash.blocks import build_flex_block_mask
+
+    torch.manual_seed(0)
+    d = make_drafter(layers=2)
+    S, anchors, valid = 40, torch.tensor([[3, 11, 30, 0]]), torch.tensor([[True, True, True, False]])
+    emb, th = torch.randn(1, 4 * B, 64), torch.randn(1, S, 128)
+    blocks = build_training_blocks(torch.zeros(1, S, dtype=torch.long), torch.ones(1, S, dtype=torch.bool),
+                                   anchors, valid, B, 1)
+    flex_mask = build_flex_block_mask(anchors, valid, S, B)
+    with torch.no_grad():
+        ref = d(emb, th, blocks.position_ids, attention_mask=blocks.attention_mask)
+        out = d(emb, th, blocks.position_ids, attention_mask=flex_mask)
+    assert torch.allclose(out, ref, atol=1e-5)
+    th2 = th.clone(); th2[:, 11:] += 5.0  # flex too hides the anchor's own feature and later context
+    with torch.no_grad():
+        out2 = d(emb, th2, blocks.position_ids, attention_mask=flex_mask)
+    assert torch.allclose(out2[:, B : 2 * B], out[:, B : 2 * B], atol=1e-6)
