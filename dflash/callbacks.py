@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, TextIO
 from urllib.parse import urlsplit
 
+from dflash.snapshot import json_safe, to_python
+
 log = logging.getLogger(__name__)
 
 STATUSES = ("completed", "failed", "interrupted")
@@ -143,40 +145,6 @@ class CallbackList(Callback):
 
 
 # ---------------------------------------------------------------------------------------------- values
-
-
-def to_python(value: Any) -> Any:
-    """Tensors, numpy scalars/arrays and nested containers as plain Python; floats keep NaN/inf.
-
-    Duck-typed (`.item()` / `.tolist()`) so this module imports neither torch nor numpy.
-    """
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
-    if isinstance(value, Mapping):
-        return {str(k): to_python(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [to_python(v) for v in value]
-    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
-        return value.item()  # 0-d tensor or numpy scalar; .item() syncs a CUDA tensor once
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    return str(value)
-
-
-def json_safe(value: Any) -> Any:
-    """`to_python`, then non-finite floats -> None, so every line is strict JSON (RFC 8259 has no NaN).
-
-    Choice: a NaN or infinite metric is written as `null` under its own key, so readers see that the value
-    existed and was not finite, and any JSON parser (jq, pandas, JavaScript) can read the file.
-    """
-    value = to_python(value)
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [json_safe(v) for v in value]
-    return value
 
 
 # ---------------------------------------------------------------------------------------------- JSONL
@@ -591,11 +559,11 @@ class WandbCallback(Callback):
 
 
 def build_callbacks(cfg: Any, run_dir: Path | str, max_steps: int) -> CallbackList:
-    """JSONL always; console when `logging.console`; W&B when `logging.use_wandb` and its mode is not disabled."""
+    """JSONL always; console when `logging.console`; W&B unless `logging.wandb.mode` is disabled."""
     lg = cfg.logging
     callbacks: list[Callback] = [JsonlCallback(run_dir)]
     if lg.console:
         callbacks.append(ConsoleCallback(max_steps, lg.log_every_s))
-    if lg.use_wandb and lg.wandb.mode != "disabled":
+    if lg.wandb.mode != "disabled":
         callbacks.append(WandbCallback(lg.wandb, run_dir))
     return CallbackList(callbacks)

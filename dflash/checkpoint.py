@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import shutil
 from pathlib import Path
 
@@ -41,10 +40,6 @@ def model_signature(drafter) -> dict:
         "mask_token_id": drafter.mask_token_id,
         "target_layer_ids": list(drafter.target_layer_ids),
     }
-
-
-def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])}
 
 
 def save_checkpoint(run_dir: Path, drafter, trainer_state: dict, extra: dict, keep_last: int) -> Path:

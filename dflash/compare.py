@@ -32,6 +32,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import yaml
 
+from dflash.snapshot import json_safe
+
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config_resolved.yaml"
@@ -160,6 +162,7 @@ def _final_metrics(path: Path) -> dict[str, Any]:
         metrics.update(rec)
     ev = _read_json(path / "eval.json")
     if isinstance(ev, dict):
+        ev = ev.get("metrics", ev) if isinstance(ev.get("metrics"), dict) else ev
         metrics.update({k: v for k, v in ev.items() if k.startswith("eval/") and not isinstance(v, (dict, list))})
         if "eval/tau" not in ev and _is_number(ev.get("tau")):
             metrics["eval/tau"] = ev["tau"]
@@ -534,9 +537,7 @@ def _duration(s: float) -> str:
 
 def _machine(v: Any) -> Any:
     """Cell value for csv/json: raw, with NaN/inf as null (strict JSON) and containers as JSON text in CSV."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return v
+    return json_safe(v)
 
 
 def render(columns: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str = "table", title: str | None = None) -> str:

@@ -105,7 +105,6 @@ class LoggingConfig:
     log_every_s: float = 5.0  # console refresh / W&B log throttle
     console: bool = True
     wandb: WandbConfig = field(default_factory=WandbConfig)
-    use_wandb: bool = True
 
 
 @dataclass

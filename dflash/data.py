@@ -22,6 +22,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _TEST_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
+DEFAULT_HOLDOUT = 0.05  # share of stdlib files held out (data.holdout_fraction's default; the tiny target's too)
 
 
 class BadRecordError(ValueError):
@@ -32,7 +33,8 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def stdlib_files(split: str, holdout_fraction: float = 0.05, max_files: int | None = None) -> list[Path]:
+def stdlib_files(split: str, holdout_fraction: float = DEFAULT_HOLDOUT,
+                 max_files: int | None = None) -> list[Path]:
     """Non-test .py files of the running Python's stdlib, sorted; `split` is "train" or "heldout".
     The split hashes each file's relative path, so it is the same on every machine with the same Python."""
     if split not in ("train", "heldout"):

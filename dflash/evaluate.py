@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from dflash.drafter import DFlashDraftModel, DraftKVCache
+from dflash.snapshot import write_json
 
 log = logging.getLogger(__name__)
 
@@ -593,24 +594,13 @@ def _details(prompts, dflash, target_only, lookup, untrained, tokenizer, setting
     return {**settings, "prompts": per_prompt}
 
 
-def json_safe(obj: Any) -> Any:
-    """NaN/inf -> None, recursively, so eval.json is strict JSON."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
-
-
 def write_eval_json(path: str | Path, result: dict[str, Any], **extra: Any) -> Path:
     """eval.json: {"metrics": flat eval/* metrics, "details": ..., **extra}."""
     metrics = {k: v for k, v in result.items() if k != "details"}
     payload = {"metrics": metrics, "details": result.get("details", {}), **extra}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(json_safe(payload), indent=2))
+    write_json(path, payload)
     return path
 
 

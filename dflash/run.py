@@ -13,6 +13,7 @@ import gc
 import json
 import logging
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -23,7 +24,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.config import ConfigError, resolve_target_layer_ids, validate
-from dflash.snapshot import StatusFile, write_config_snapshot, write_json, write_run_info
+from dflash.snapshot import StatusFile, write_config_snapshot, write_json, write_run_info, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +50,13 @@ def hydra_job_info() -> JobInfo:
     run_dir = Path(hc.runtime.output_dir)
     overrides = list(hc.overrides.task)
     is_multirun = hc.mode == RunMode.MULTIRUN
+    from dflash.callbacks import default_job_name
+
     own = [o for o in overrides if not o.startswith(("hydra.", "resume="))]
     if is_multirun:  # name a sweep's job by what varies: its values of the swept keys
         swept = _swept_keys()
         own = [o for o in own if o.split("=", 1)[0].lstrip("+~") in swept] or own
-    job_name = ",".join(own) or run_dir.name
+    job_name = default_job_name(own, run_dir)
     choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}
     return JobInfo(run_dir, job_name, hc.sweep.dir if is_multirun else None, overrides, choices)
 
@@ -61,7 +64,6 @@ def hydra_job_info() -> JobInfo:
 def _swept_keys() -> set[str]:
     """Keys the command line sweeps over (`key=a,b`, `range(...)`, `choice(...)`), read from sys.argv, plus
     those of `hydra.sweeper.params` in the config."""
-    import sys
 
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -239,7 +241,7 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
     def run_eval(trainer_step: int, final: bool = False) -> dict:
         if not prompts:
             return {}
-        from dflash.evaluate import evaluate, snapshot_drafter
+        from dflash.evaluate import evaluate, snapshot_drafter, write_eval_json
 
         snap = snapshot_drafter(drafter)  # a consistent copy; training may go on in other threads
         t0 = time.time()
@@ -255,8 +257,8 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
                  time.time() - t0)
         callbacks.on_eval({"step": trainer_step, **res})
         if final:
-            write_json(run_dir / "eval.json", {"step": trainer_step, "block_size": cfg.model.block_size,
-                                               "metrics": res, "details": details})
+            write_eval_json(run_dir / "eval.json", {**res, "details": details}, step=trainer_step,
+                            block_size=cfg.model.block_size)
         return res
 
     def checkpoint(trainer) -> Path:
@@ -362,8 +364,9 @@ def _truncate_metrics(path: Path, step: int) -> None:
     keep = []
     for line in path.read_text().splitlines():
         try:
-            if json.loads(line).get("step", 0) <= step:
-                keep.append(line)
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut by the crash
-    path.write_text("".join(l + "\n" for l in keep))
+        if isinstance(record, dict) and record.get("step", 0) <= step:
+            keep.append(line)
+    write_text_atomic(path, "".join(line + "\n" for line in keep))

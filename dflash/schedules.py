@@ -25,7 +25,7 @@ def _check_step(step: int, total_steps: int) -> int:
 
 def warmup_steps(total_steps: int, warmup_ratio: float) -> int:
     """ceil(warmup_ratio * total_steps): the number of steps spent in linear warmup."""
-    return math.ceil(warmup_ratio * total_steps)
+    return math.ceil(round(warmup_ratio * total_steps, 9))  # 0.07 * 100 = 7.000000000000001 is 7 steps
 
 
 def lr_at(step: int, total_steps: int, cfg: Any) -> float:
@@ -53,7 +53,7 @@ def lr_at(step: int, total_steps: int, cfg: Any) -> float:
         progress = (step - n_warm) / span if span > 0 else 1.0
         return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
     # wsd
-    n_decay = math.ceil(float(cfg.decay_ratio) * total_steps)
+    n_decay = math.ceil(round(float(cfg.decay_ratio) * total_steps, 9))
     decay_start = total_steps - n_decay
     if n_decay == 0 or step < decay_start:
         return lr

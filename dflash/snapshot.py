@@ -10,10 +10,12 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -32,21 +34,50 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def _json_safe(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
+def to_python(value: Any) -> Any:
+    """Tensors, numpy scalars/arrays and nested containers as plain Python; floats keep NaN/inf.
+    Duck-typed (`.item()` / `.tolist()`) so this module imports neither torch nor numpy."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): to_python(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_python(v) for v in value]
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        return value.item()  # 0-d tensor or numpy scalar; .item() syncs a CUDA tensor once
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
+
+def json_safe(value: Any) -> Any:
+    """`to_python`, then non-finite floats -> None, so every file is strict JSON (RFC 8259 has no NaN): a NaN
+    metric is written as `null` under its own key, and any parser (jq, pandas, JavaScript) reads it."""
+    value = to_python(value)
+    if isinstance(value, float) and not math.isfinite(value):
         return None
-    if isinstance(obj, dict):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a uniquely named temp file then rename, so a crash or a parallel writer never leaves half a file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Atomic: write a temp file then rename, so a crash never leaves half a JSON file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_json_safe(data), indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(json_safe(data), indent=2) + "\n")
 
 
 def redact(obj: Any) -> Any:
@@ -108,10 +139,7 @@ def device_info() -> dict:
 
 def write_config_snapshot(run_dir: Path, cfg: DictConfig) -> None:
     resolved = redact(OmegaConf.to_container(cfg, resolve=True))
-    text = scrub_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
-    tmp = run_dir / "config_resolved.yaml.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, run_dir / "config_resolved.yaml")
+    write_text_atomic(run_dir / "config_resolved.yaml", scrub_text(OmegaConf.to_yaml(OmegaConf.create(resolved))))
 
 
 def write_run_info(run_dir: Path, overrides: list[str], choices: dict, extra: dict | None = None) -> dict:
@@ -128,7 +156,7 @@ def write_run_info(run_dir: Path, overrides: list[str], choices: dict, extra: di
         "start_time": now_iso(),
         **(extra or {}),
     }
-    info = json.loads(scrub_text(json.dumps(_json_safe(info))))
+    info = json.loads(scrub_text(json.dumps(json_safe(info))))
     write_json(run_dir / "run.json", info)
     return info
 
@@ -150,7 +178,3 @@ class StatusFile:
             "end_time": now_iso(), "wall_time_s": round(time.time() - self.t0, 3), **extra,
         })
 
-
-def read_status(run_dir: Path) -> dict | None:
-    p = Path(run_dir) / "status.json"
-    return json.loads(p.read_text()) if p.exists() else None

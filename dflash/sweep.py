@@ -27,13 +27,13 @@ import datetime as _dt
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from dflash.snapshot import write_json
 from dflash.compare import (
     CONFIG_FILE,
     DEFAULT_METRICS,
@@ -82,19 +82,6 @@ def _read_previous(path: Path) -> dict[str, str]:
         return {j["run_dir"]: j["hydra_status"] for j in data.get("jobs", []) if j.get("hydra_status")}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
-
-
-def _atomic_write_json(path: Path, obj: Any) -> None:
-    """Write via a temp file + rename so a reader (or a parallel job) never sees half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, default=str)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def sweep_runs(sweep_dir: str | os.PathLike) -> list[Run]:
@@ -151,7 +138,7 @@ def summarize_sweep(
         "metrics": list(metrics),
         "jobs": jobs,
     }
-    _atomic_write_json(out_path, summary)
+    write_json(out_path, summary)
     return summary
 
 

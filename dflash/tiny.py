@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.data import pack, read_text, stdlib_documents, stdlib_files
+from dflash.data import DEFAULT_HOLDOUT, pack, read_text, stdlib_documents, stdlib_files
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def heldout_loss(model, windows: torch.Tensor, batch_size: int = 16, max_windows
     return sum(losses) / max(1, len(losses))
 
 
-def pretrain(model, train_ids: torch.Tensor, heldout_windows: torch.Tensor, b) -> list[dict]:
+def pretrain(model, train_ids: torch.Tensor, b) -> list[dict]:
     """Causal-LM pretraining on random windows; cosine lr; returns a loss log."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -129,11 +129,11 @@ def build(target_dir: Path, b) -> dict:
     info: dict = {"kind": b.kind, "build": asdict(b) if hasattr(b, "__dataclass_fields__") else dict(b),
                   "vocab_size": len(tok), "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
     if b.pretrain_steps > 0:
-        train_ids, _ = pack(stdlib_documents(tok, "train", 0.05), tok.eos_token_id)
-        held_ids, _ = pack(stdlib_documents(tok, "heldout", 0.05), tok.eos_token_id)
+        train_ids, _ = pack(stdlib_documents(tok, "train", DEFAULT_HOLDOUT), tok.eos_token_id)
+        held_ids, _ = pack(stdlib_documents(tok, "heldout", DEFAULT_HOLDOUT), tok.eos_token_id)
         held = _windows(held_ids, b.pretrain_seq_len)
         info["heldout_loss_init"] = heldout_loss(model, held)
-        info["history"] = pretrain(model, train_ids, held, b)
+        info["history"] = pretrain(model, train_ids, b)
         info["heldout_loss"] = heldout_loss(model, held)
         info["train_tokens"] = int(train_ids.numel())
         log.info("tiny target built: held-out loss %.3f (from %.3f at init)", info["heldout_loss"],

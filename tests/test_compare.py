@@ -15,7 +15,6 @@ from types import SimpleNamespace
 import pytest
 import yaml
 from hydra.core.utils import JobStatus
-from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
 from dflash import compare
@@ -284,7 +283,6 @@ def _ret(status: JobStatus) -> SimpleNamespace:
 
 def test_callback_writes_sweep_json_after_each_job(sweep_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     cb = SweepSummaryCallback()
-    assert isinstance(cb, Callback)
     cb.on_job_end(_job_cfg(sweep_dir, 0), _ret(JobStatus.COMPLETED))
     first = json.loads((sweep_dir / SWEEP_FILE).read_text())
     assert first["finished"] is False and first["jobs"][0]["hydra_status"] == "COMPLETED"
@@ -375,3 +373,14 @@ def test_real_hydra_multirun_with_a_failed_job(tmp_path: Path) -> None:
     assert [(j["job_num"], j["status"], j["hydra_status"]) for j in data["jobs"]] == [
         (0, "completed", "COMPLETED"), (1, "failed", "FAILED"), (2, "completed", "COMPLETED")]
     assert [j["metrics"]["eval/tau"] for j in data["jobs"]] == [1.0, None, 2.0]
+
+
+def test_eval_json_metrics_fill_in_without_summary(tmp_path: Path) -> None:
+    """A run without summary.json (killed before the end) still shows the tau its eval.json recorded."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config_resolved.yaml").write_text("loss:\n  name: kl\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 5, "train/loss": 1.5}) + "\n")
+    (run / "eval.json").write_text(json.dumps({"step": 5, "metrics": {"eval/tau": 3.5}, "details": {}}))
+    loaded = load_run(run)
+    assert loaded.metrics["eval/tau"] == 3.5 and loaded.metrics["train/loss"] == 1.5

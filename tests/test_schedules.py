@@ -18,6 +18,11 @@ def _cfg(name: str, **over) -> ScheduleConfig:
     return ScheduleConfig(**kw)
 
 
+def test_warmup_steps_ignores_float_error():
+    assert warmup_steps(100, 0.07) == 7  # 0.07 * 100 = 7.000000000000001
+    assert warmup_steps(100, 0.071) == 8
+
+
 def test_warmup_steps_rounds_up() -> None:
     assert warmup_steps(20, 0.25) == 5
     assert warmup_steps(100, 0.04) == 4

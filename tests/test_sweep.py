@@ -57,12 +57,14 @@ def test_seeds_group_with_mean_and_std(tmp_path, cache_dir, tiny_target, capsys)
     sweep = tmp_path / "sweep"
     launch(["-m", *SMOKE, f"hydra.sweep.dir={sweep}", "train.seed=0,1,2", "eval.num_prompts=0"], cache_dir,
            check=True, timeout=600)
-    data = json.loads(_compare(capsys, sweep, "--group-by", "auto", "--format", "json", "--metrics", "train/loss"))
-    rows = data if isinstance(data, list) else data["rows"]
+    rows = json.loads(_compare(capsys, sweep, "--group-by", "auto", "--format", "json", "--metrics", "train/loss"))
     assert len(rows) == 1
     row = rows[0]
     assert row["n"] == 3
     losses = [json.loads(l)["train/loss"] for j in range(3)
               for l in (sweep / str(j) / "metrics.jsonl").read_text().splitlines()[-1:]]
     mean = sum(losses) / 3
+    std = (sum((x - mean) ** 2 for x in losses) / 2) ** 0.5  # sample std
+    assert len(set(losses)) == 3  # the seeds really differ
     assert abs(float(row["train/loss mean"]) - mean) < 1e-6
+    assert abs(float(row["train/loss std"]) - std) < 1e-6
