@@ -383,6 +383,8 @@ class Pipeline:
             (stuck inside a stage function) are daemon threads, logged with a warning and abandoned.
         threads_per_stage: if set, each stage thread calls ``torch.set_num_threads(n)`` first (sync mode: the
             caller's thread). See the note below. ``None`` leaves torch's threading alone.
+        stop_event: an event owned by the caller (e.g. set by its SIGTERM handler); once set, the run stops as
+            if ``request_stop`` had been called. Polled, so no helper thread has to watch it.
 
     Note on ``threads_per_stage`` (measured with torch 2.13 CPU, OpenMP backend): ``torch.set_num_threads``
     sets the OpenMP team size of the *calling* thread and a process-wide default that threads pick up on their
@@ -406,6 +408,7 @@ class Pipeline:
         on_tick: Callable[[dict[str, float]], None] | None = None,
         join_timeout_s: float = 20.0,
         threads_per_stage: int | None = None,
+        stop_event: threading.Event | None = None,
     ) -> None:
         if mode not in ("async", "sync"):
             raise ValueError(f"mode={mode!r} is invalid: must be one of async, sync")
@@ -437,6 +440,7 @@ class Pipeline:
         self._lock = threading.Lock()  # guards _error / _outcome / _turn bookkeeping
         self._tick_lock = threading.Lock()
         self._interrupt: str | None = None  # set by request_stop without taking locks (signal-handler safe)
+        self._stop_event = stop_event
         self._error: tuple[str, BaseException, str] | None = None
         self._outcome: tuple[str, str] | None = None
         self._turn = threading.Condition(self._lock)  # ordered hand-off of target results
@@ -484,6 +488,8 @@ class Pipeline:
         self._stop.set()
 
     def _poll_interrupt(self) -> None:
+        if self._interrupt is None and self._stop_event is not None and self._stop_event.is_set():
+            self._interrupt = "stop event set"
         if self._interrupt is not None and not self._stop.is_set():
             log.warning("pipeline stop requested: %s", self._interrupt)
             self._set_outcome("interrupted", self._interrupt)
@@ -519,6 +525,7 @@ class Pipeline:
             self.target_queue.wake()
             self.hs_queue.wake()
             self._join_all()
+            self._close_source()
             self._t_end = time.perf_counter()
             self._final_tick()
             if self._threads_per_stage is not None:
@@ -561,6 +568,15 @@ class Pipeline:
         if self.leftover_threads:
             log.warning("threads %s did not exit within %.1f s (stuck inside a stage function); they are daemon "
                         "threads and are abandoned", self.leftover_threads, self._join_timeout_s)
+
+    def _close_source(self) -> None:
+        """Close a generator source here, in run()'s thread, once no stage runs it. Otherwise its frame (and the
+        tensors it holds) is freed by whichever thread drops the last reference to the pipeline, possibly a
+        daemon thread racing interpreter shutdown, where torch aborts ("terminate called without an active
+        exception")."""
+        close = getattr(self._source, "close", None)
+        if callable(close) and not self.leftover_threads:
+            close()
 
     # -- sync mode ----------------------------------------------------------------------------------------
 

@@ -308,10 +308,8 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
             mode=cfg.pipeline.mode, queue_size=cfg.pipeline.queue_size, queue_bytes=cfg.pipeline.queue_bytes,
             target_workers=cfg.pipeline.target_workers, monitor_interval_s=cfg.pipeline.monitor_interval_s,
             on_tick=on_tick, join_timeout_s=cfg.pipeline.join_timeout_s,
-            threads_per_stage=_threads_per_stage(cfg, device),
+            threads_per_stage=_threads_per_stage(cfg, device), stop_event=stop,
         )
-        watcher = threading.Thread(target=_forward_stop, args=(stop, pipeline), daemon=True, name="signal-watch")
-        watcher.start()
         if trainer.done():
             log.info("nothing to train: step %d of %d already done", trainer.step, total_steps)
         else:
@@ -322,7 +320,6 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
         status = "failed"
         raise
     finally:
-        stop.set()  # ends the watcher
         try:
             last = latest_checkpoint(run_dir)
             if trainer.step > 0 and cfg.checkpoint.enabled and (last is None or last.name != f"step_{trainer.step}"):
@@ -350,11 +347,6 @@ def _threads_per_stage(cfg, device: torch.device) -> int | None:
         return cfg.pipeline.threads_per_stage
     stages = cfg.pipeline.target_workers + 1 if cfg.pipeline.mode == "async" else 1
     return max(1, torch.get_num_threads() // stages)
-
-
-def _forward_stop(stop: threading.Event, pipeline) -> None:
-    stop.wait()
-    pipeline.request_stop("signal")
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

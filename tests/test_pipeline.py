@@ -332,6 +332,35 @@ def test_request_stop_from_other_thread(mode):
     assert 0.25 < elapsed < 1.5 and len(seen) > 0
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_caller_stop_event_stops_the_run(mode):
+    """run.py hands its SIGTERM event to the pipeline; no watcher thread is needed to forward it."""
+    stop = threading.Event()
+    p = make(batches(None), sleepy_target(0.01), collecting_drafter([], 0.01), mode=mode, stop_event=stop)
+    timer = threading.Timer(0.3, stop.set)
+    timer.start()
+    res = p.run()
+    timer.join()
+    assert res.stopped_by == "interrupted" and res.reason == "stop event set"
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_generator_source_is_closed_when_run_returns(mode):
+    """The source's frame is released in run()'s thread, not by whichever thread frees the pipeline last
+    (a daemon thread doing that during interpreter shutdown made torch abort the process at exit)."""
+    closed = []
+
+    def source():
+        try:
+            yield from batches(None)
+        finally:
+            closed.append(threading.current_thread().name)
+
+    p = make(source(), sleepy_target(0.001), collecting_drafter([], stop_after=5), mode=mode)
+    p.run()
+    assert closed == [threading.current_thread().name]
+
+
 def test_sigint_handler_reaches_request_stop():
     """The main thread waits in short slices, so a Python signal handler runs during run()."""
     p = make(batches(None), sleepy_target(0.01), collecting_drafter([], 0.01))
