@@ -112,7 +112,7 @@ def test_channel_stop_event_wakes_blocked_put_and_get():
     stop.set()  # no wake(): the 0.1 s poll alone must notice
     tp.join(2), tg.join(2)
     assert out_p["value"] is False and out_g["value"] is END
-    assert out_p["t"] - t_set < 0.5 and out_g["t"] - t_set < 0.5
+    assert out_p["t"] - t_set < 1.0 and out_g["t"] - t_set < 1.0  # 10x the poll: room for a busy CI box
     assert full.depth() == 1  # the refused item was not queued
 
 
@@ -329,7 +329,7 @@ def test_request_stop_from_other_thread(mode):
     elapsed = time.perf_counter() - t0
     timer.join()
     assert res.stopped_by == "interrupted" and res.reason == "test says stop"
-    assert 0.25 < elapsed < 1.5 and len(seen) > 0
+    assert 0.25 < elapsed < 3.0 and len(seen) > 0
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
@@ -374,7 +374,7 @@ def test_sigint_handler_reaches_request_stop():
     finally:
         signal.signal(signal.SIGINT, old)
     assert res.stopped_by == "interrupted" and res.reason == f"signal {int(signal.SIGINT)}"
-    assert time.perf_counter() - t0 < 1.5
+    assert time.perf_counter() - t0 < 3.0
 
 
 def test_stuck_stage_is_abandoned_after_join_timeout(caplog):
