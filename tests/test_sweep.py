@@ -68,3 +68,41 @@ def test_seeds_group_with_mean_and_std(tmp_path, cache_dir, tiny_target, capsys)
     assert len(set(losses)) == 3  # the seeds really differ
     assert abs(float(row["train/loss mean"]) - mean) < 1e-6
     assert abs(float(row["train/loss std"]) - std) < 1e-6
+
+
+def _live_models() -> int:
+    """Drafters and HF models still reachable in this process."""
+    import gc
+
+    from transformers import PreTrainedModel
+
+    from dflash.drafter import DFlashDraftModel
+
+    gc.collect()
+    return sum(issubclass(type(o), (DFlashDraftModel, PreTrainedModel)) for o in gc.get_objects())
+
+
+def test_jobs_in_one_process_free_threads_and_models(tmp_path, cache_dir, tiny_target, monkeypatch):
+    """The basic launcher runs a sweep's jobs one after another in one process: each job must leave no thread
+    and no model behind, or a long sweep grows until it runs out of memory."""
+    import threading
+
+    from hydra import compose, initialize_config_dir
+
+    from conftest import REPO
+    from dflash.config import register_configs
+    from dflash.run import JobInfo, main
+
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(cache_dir))
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=SMOKE)
+    threads_before = {t.ident for t in threading.enumerate()}
+    models_before = _live_models()
+    for job in range(2):
+        run_dir = tmp_path / str(job)
+        assert main(cfg, JobInfo(run_dir, job_name=str(job))) is not None
+        assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
+        left = [t.name for t in threading.enumerate() if t.ident not in threads_before]
+        assert left == [], f"job {job} left threads running: {left}"
+        assert _live_models() == models_before, f"job {job} left models alive"
