@@ -81,8 +81,10 @@ def training_attention(name: str, device: torch.device) -> str:
     return name
 
 
-def step_generator(seed: int, step: int, stream: int) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 8 + stream)
+def step_generator(seed: int, step: int, stream: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for one (step, stream), on `device`: torch draws CUDA random numbers only from a CUDA
+    generator, and drawing GPU-sized noise on the CPU and copying it over would cost a step's worth of time."""
+    return torch.Generator(device=device).manual_seed((seed * 1_000_003 + step) * 8 + stream)
 
 
 class DrafterTrainer:
@@ -131,18 +133,17 @@ class DrafterTrainer:
                 self.last_metrics = {k: v for k, v in out.items() if k.startswith("train/")}
             else:
                 out.update(self.last_metrics)
-            out["train/lr"] = self.current_lr
-            out["train/noise_std"] = self.current_noise
+            last = max(self.step - 1, 0)  # the step these averages end with, not the one about to run
+            out["train/lr"] = self.lr_for(last)
+            out["train/noise_std"] = self.noise_for(last)
             out["train/skipped_steps"] = self.skipped_steps
         return out
 
-    @property
-    def current_lr(self) -> float:
-        return lr_at(min(self.step, self.total_steps - 1), self.total_steps, self.cfg.schedule)
+    def lr_for(self, step: int) -> float:
+        return lr_at(min(step, self.total_steps - 1), self.total_steps, self.cfg.schedule)
 
-    @property
-    def current_noise(self) -> float:
-        return noise_std_at(min(self.step, self.total_steps - 1), self.total_steps, self.cfg.schedule)
+    def noise_for(self, step: int) -> float:
+        return noise_std_at(min(step, self.total_steps - 1), self.total_steps, self.cfg.schedule)
 
     def done(self) -> bool:
         return self.step >= self.total_steps or (self.max_tokens is not None and self.tokens >= self.max_tokens)
@@ -156,8 +157,10 @@ class DrafterTrainer:
                                        self.attention)
         with torch.no_grad():
             noise_embedding = self.target.embed_tokens(blocks.input_ids).to(self.drafter.dtype)
-        target_hidden = add_feature_noise(item.target_hidden.to(self.drafter.dtype), noise_std,
-                                          generator=step_generator(cfg.train.seed, step, 1))
+        target_hidden = item.target_hidden.to(self.drafter.dtype)
+        if noise_std > 0:
+            target_hidden = add_feature_noise(target_hidden, noise_std,
+                                              generator=step_generator(cfg.train.seed, step, 1, target_hidden.device))
         out = self.drafter(noise_embedding, target_hidden, blocks.position_ids, attention_mask=blocks.attention_mask)
         bsz, n = anchors.shape
         draft_hidden = out.view(bsz, n, B, -1)[:, :, 1:].reshape(bsz * n, B - 1, -1)  # slots 1..B-1
@@ -180,7 +183,7 @@ class DrafterTrainer:
         if cfg.train.fail_at_step is not None and self.step + 1 >= cfg.train.fail_at_step:
             raise RuntimeError(f"injected drafter-stage fault at step {self.step + 1} (train.fail_at_step)")
         step = self.step
-        lr, noise_std = self.current_lr, self.current_noise
+        lr, noise_std = self.lr_for(step), self.noise_for(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.drafter.train()
@@ -226,12 +229,19 @@ class DrafterTrainer:
             "step": self.step,
             "tokens": self.tokens,
             "skipped_steps": self.skipped_steps,
+            "bad_in_row": self.bad_in_row,
             "next_data": list(self.next_data),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+        # load_state_dict also restores the saved hyperparameters; the resumed config's own win (lr is set
+        # every step anyway), so `resume=RUN train.weight_decay=...` does what it says.
+        for group in self.optimizer.param_groups:
+            group["betas"] = tuple(self.cfg.train.betas)
+            group["weight_decay"] = self.cfg.train.weight_decay
         self.step = int(state["step"])
         self.tokens = int(state["tokens"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.bad_in_row = int(state.get("bad_in_row", 0))
         self.next_data = tuple(state["next_data"])

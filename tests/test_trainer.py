@@ -81,3 +81,26 @@ def test_steps_are_deterministic(parts):
         results.append({k: v.clone() for k, v in drafter.state_dict().items()})
     for k in results[0]:
         assert torch.equal(results[0][k], results[1][k]), k
+
+
+def test_resumed_optimizer_takes_the_resumed_configs_hyperparameters(parts):
+    cfg, target, drafter, mask_id = parts
+    trainer = DrafterTrainer(cfg, target, drafter, mask_id, total_steps=100)
+    trainer.step_fn(TargetStep(target, torch.device("cpu"))(_batch()))
+    state = trainer.state_dict()
+    cfg.train.weight_decay, cfg.train.betas = 0.3, [0.5, 0.6]  # what `resume=RUN train.weight_decay=0.3 ...` gives
+    resumed = DrafterTrainer(cfg, target, drafter, mask_id, total_steps=100)
+    resumed.load_state_dict(state)
+    group = resumed.optimizer.param_groups[0]
+    assert group["weight_decay"] == 0.3 and tuple(group["betas"]) == (0.5, 0.6)
+    assert resumed.step == 1 and resumed.optimizer.state  # the moments themselves are restored
+
+
+def test_logged_lr_is_the_lr_of_the_last_step_taken(parts):
+    cfg, target, drafter, mask_id = parts
+    cfg.schedule.warmup_ratio = 0.1  # lr rises every step of the first 10: an off-by-one shows
+    trainer = DrafterTrainer(cfg, target, drafter, mask_id, total_steps=100)
+    item = TargetStep(target, torch.device("cpu"))(_batch())
+    for _ in range(3):
+        trainer.step_fn(item)
+    assert trainer.metrics()["train/lr"] == trainer.optimizer.param_groups[0]["lr"] == trainer.lr_for(2)
