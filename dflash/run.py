@@ -85,16 +85,20 @@ def main(cfg: DictConfig, info: JobInfo | None = None) -> float | None:
     """Run one job in its Hydra run directory. Returns the final eval/tau (Hydra sweepers may use it)."""
     info = info or hydra_job_info()
     run_dir = info.run_dir
+    if cfg.resume:  # checked before anything is written: a refused resume leaves RUN_DIR as it was
+        cfg = resume_config(cfg, info)
+        validate(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     status = StatusFile(run_dir)
     status.running()
     stop = threading.Event()
     previous = _install_signal_handlers(stop)
     try:
-        if cfg.resume:
-            cfg = resume_config(cfg, info)
         write_config_snapshot(run_dir, cfg)
-        write_run_info(run_dir, info.overrides, info.choices, {"resume": cfg.resume})
+        if cfg.resume:
+            _record_resume(run_dir, info.overrides)
+        else:
+            write_run_info(run_dir, info.overrides, info.choices)
         validate(cfg)
         summary = train(cfg, run_dir, info, stop)
         final = summary.get("_status", "completed")
@@ -138,25 +142,48 @@ def _install_signal_handlers(stop: threading.Event) -> dict:
     return previous
 
 
-# model-shaping keys that a resume may not change
-_FROZEN_ON_RESUME = ("model.",)
+# Keys a resume may not change: the model (the checkpoint's weights fit only it), and the data stream (the
+# checkpoint's data position counts batches of this stream). Groups are refused by name too (`model=...`).
+_FROZEN_ON_RESUME = {
+    "model": "would change the model of",
+    "data": "would change the data stream (the checkpoint's data position counts its batches) of",
+    "train.batch_size": "would change the data stream (the checkpoint's data position counts its batches) of",
+    "train.seq_len": "would change the data stream (the checkpoint's data position counts its batches) of",
+    "train.seed": "would change the data order and per-step randomness of",
+}
+
+
+def _frozen_reason(key: str) -> str | None:
+    for frozen, reason in _FROZEN_ON_RESUME.items():
+        if key == frozen or key.startswith(frozen + "."):
+            return reason
+    return None
 
 
 def resume_config(cfg: DictConfig, info: JobInfo) -> DictConfig:
-    """Continue RUN_DIR with its saved config; explicit overrides of this command may change anything but the model."""
+    """Continue RUN_DIR with its saved config; explicit overrides of this command may change anything but the
+    model and the data stream (e.g. `train.max_steps` to train longer, `logging.*`, `eval.*`)."""
     run_dir = Path(cfg.resume).expanduser()
     saved_path = run_dir / "config_resolved.yaml"
     if not saved_path.exists():
         raise FileNotFoundError(f"resume={cfg.resume!r}: no config_resolved.yaml there (not a run directory)")
+    if run_dir.resolve() != Path(info.run_dir).resolve():
+        raise ConfigError(
+            f"resume={cfg.resume!r} continues that run in its own directory, but this job's directory is "
+            f"{info.run_dir}: drop hydra.run.dir, and resume one run per command (not with -m)"
+        )
     saved = OmegaConf.load(saved_path)
     overrides = [o for o in info.overrides if not o.startswith(("hydra.", "resume=", "+resume="))]
     changes = [o.lstrip("+~") for o in overrides]
-    refused = [o for o in changes if o.startswith(_FROZEN_ON_RESUME) or o.split("=")[0] in ("model",)]
+    refused = {}
+    for o in changes:
+        reason = _frozen_reason(o.split("=", 1)[0])
+        if reason:
+            refused.setdefault(reason, []).append(o)
     if refused:
-        raise ConfigError(
-            f"resume: {', '.join(refused)} would change the model of {run_dir}; a resumed run keeps its model "
-            "(start a new run instead)"
-        )
+        raise ConfigError("; ".join(
+            f"resume: {', '.join(keys)} {reason} {run_dir}" for reason, keys in refused.items())
+            + "; a resumed run keeps its model and data (start a new run instead)")
     merged = OmegaConf.merge(cfg, saved)  # typed node from this composition, values from the saved run
     for o in changes:
         key = o.split("=", 1)[0]
@@ -164,6 +191,17 @@ def resume_config(cfg: DictConfig, info: JobInfo) -> DictConfig:
         OmegaConf.update(merged, key, OmegaConf.select(cfg, key), merge=False)
     merged.resume = str(run_dir)
     return merged
+
+
+def _record_resume(run_dir: Path, overrides: list[str]) -> None:
+    """run.json describes how the run was started; each resume is appended to its `resumes` list."""
+    from dflash.snapshot import now_iso, redact, scrub_text
+
+    path = run_dir / "run.json"
+    info = json.loads(path.read_text()) if path.exists() else {}
+    entry = {"time": now_iso(), "argv": redact(list(sys.argv)), "overrides": redact(list(overrides))}
+    info.setdefault("resumes", []).append(json.loads(scrub_text(json.dumps(entry))))
+    write_json(path, info)
 
 
 def _mask_token_id(cfg, tokenizer, vocab_size: int) -> int:

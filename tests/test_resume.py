@@ -80,11 +80,28 @@ def test_sigterm_checkpoint_then_resume_completes(tmp_path, cache_dir, tiny_targ
 
 
 @pytest.mark.slow
-def test_resume_refuses_model_change(tmp_path, cache_dir, tiny_target):
+def test_resume_refuses_model_and_data_changes_and_leaves_the_run_as_it_was(tmp_path, cache_dir, tiny_target):
     run_dir = tmp_path / "run"
     launch([*COMMON, "pipeline=sync", f"hydra.run.dir={run_dir}", "train.max_steps=4"], cache_dir, check=True)
+    before = {f: (run_dir / f).read_text() for f in ("status.json", "config_resolved.yaml", "run.json")}
     proc = launch([f"resume={run_dir}", "model.block_size=8"], cache_dir)
     assert proc.returncode != 0 and "model.block_size" in proc.stderr and "keeps its model" in proc.stderr
+    # data-stream keys are refused too (the checkpoint's data position counts batches of that stream)
+    proc = launch([f"resume={run_dir}", "train.batch_size=4", "data.max_files=3"], cache_dir)
+    assert proc.returncode != 0 and "train.batch_size=4, data.max_files=3" in proc.stderr
+    assert "data stream" in proc.stderr
+    # resuming into another directory would find no checkpoint and silently start over
+    proc = launch([f"resume={run_dir}", f"hydra.run.dir={tmp_path / 'elsewhere'}"], cache_dir)
+    assert proc.returncode != 0 and "in its own directory" in proc.stderr
+    assert not (tmp_path / "elsewhere" / "status.json").exists()  # (Hydra itself makes the directory)
+    # a refused resume leaves the run directory as it was
+    assert before == {f: (run_dir / f).read_text() for f in before}
+    assert json.loads(before["status.json"])["status"] == "completed"
+    # an accepted resume records itself in run.json and keeps how the run was started
+    launch([f"resume={run_dir}", "train.max_steps=6"], cache_dir, check=True)
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["start_time"] == json.loads(before["run.json"])["start_time"]
+    assert [r["overrides"] for r in run["resumes"]] == [[f"resume={run_dir}", "train.max_steps=6"]]
 
 
 class _Trainer:
