@@ -329,6 +329,7 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
     ))
     status, reason = "completed", None
     summary: dict = {}
+    pipeline = None
     try:
         def on_tick(sample: dict) -> None:
             metrics = trainer.metrics()
@@ -352,6 +353,12 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
             log.info("nothing to train: step %d of %d already done", trainer.step, total_steps)
         else:
             pipeline.run()
+        if _drafter_still_running(pipeline):
+            raise RuntimeError(
+                f"the drafter stage did not stop within pipeline.join_timeout_s={cfg.pipeline.join_timeout_s} s "
+                "(still inside a step, a periodic eval or a checkpoint); its weights may be mid-update, so no "
+                "final checkpoint or export was written. Resume from the last checkpoint; raise "
+                "pipeline.join_timeout_s if steps or evals of this model take longer")
         if stop.is_set():
             status, reason = "interrupted", "stopped by signal"
     except BaseException:
@@ -360,21 +367,32 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
     finally:
         try:
             last = latest_checkpoint(run_dir)
-            if trainer.step > 0 and cfg.checkpoint.enabled and (last is None or last.name != f"step_{trainer.step}"):
+            if (trainer.step > 0 and cfg.checkpoint.enabled and not _drafter_still_running(pipeline)
+                    and (last is None or last.name != f"step_{trainer.step}")):
                 checkpoint(trainer)  # on every exit path: lose at most the current step
         finally:
             if status != "completed":
                 callbacks.on_run_end("failed" if status == "failed" else status, summary)
     # --- completed (or interrupted) ---
-    export_drafter(drafter, run_dir / "drafter", target=cfg.model.target)
-    if status == "completed" and cfg.eval.final:
-        summary.update(run_eval(trainer.step, final=True))
+    try:
+        export_drafter(drafter, run_dir / "drafter", target=cfg.model.target)
+        if status == "completed" and cfg.eval.final:
+            summary.update(run_eval(trainer.step, final=True))
+    except BaseException:
+        if status == "completed":  # an interrupted run has ended its callbacks already
+            callbacks.on_run_end("failed", summary)
+        raise
     summary.update({"step": trainer.step, "tokens": trainer.tokens, "wall_time_s": round(time.time() - t_start, 3),
                     "status": status})
     write_json(run_dir / "summary.json", summary)
     if status == "completed":
         callbacks.on_run_end(status, summary)
     return {**summary, "_status": status, "_reason": reason}
+
+
+def _drafter_still_running(pipeline) -> bool:
+    """A drafter thread abandoned by the pipeline's join timeout may still change the weights."""
+    return pipeline is not None and "dflash-drafter" in pipeline.leftover_threads
 
 
 def _threads_per_stage(cfg, device: torch.device) -> int | None:

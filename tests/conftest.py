@@ -63,3 +63,14 @@ def launch(args: list[str], cache_dir: Path, timeout: float = 300, env: dict | N
     if check and proc.returncode != 0:
         raise AssertionError(f"launch.py {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def compose_config(overrides: list[str]):
+    """The job config launch.py would compose for OVERRIDES, for tests that call dflash.run in-process."""
+    from hydra import compose, initialize_config_dir
+
+    from dflash.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)

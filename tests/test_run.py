@@ -126,3 +126,65 @@ def test_sigterm_interrupts_cleanly(tmp_path, cache_dir, tiny_target):
     st = status(run_dir)
     assert st["status"] == "interrupted"
     assert list((run_dir / "checkpoints").glob("step_*")), "SIGTERM must write a checkpoint"
+
+
+def _in_process(overrides, cache_dir, monkeypatch):
+    from conftest import compose_config
+
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(cache_dir))
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    return compose_config(["experiment=smoke", *overrides])
+
+
+def test_drafter_stuck_past_join_timeout_writes_no_final_checkpoint(tmp_path, cache_dir, tiny_target, monkeypatch,
+                                                                     caplog):
+    """SIGTERM while the drafter thread is inside a long periodic eval: the pipeline gives up on it after
+    join_timeout_s. Its weights may then be mid-update, so the run fails without a final checkpoint or export
+    (the periodic checkpoints stay usable)."""
+    import threading
+
+    import dflash.evaluate
+    from dflash.run import JobInfo, main
+
+    release = threading.Event()
+    real_evaluate = dflash.evaluate.evaluate
+
+    def slow_evaluate(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # preemption arrives during the eval
+        release.wait(30)
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(dflash.evaluate, "evaluate", slow_evaluate)
+    cfg = _in_process(["train.max_steps=20", "eval.every_steps=4", "checkpoint.every_steps=3",
+                       "pipeline.join_timeout_s=1"], cache_dir, monkeypatch)
+    run_dir = tmp_path / "run"
+    caplog.set_level("INFO", logger="dflash.callbacks")
+    try:
+        with pytest.raises(RuntimeError, match="did not stop within pipeline.join_timeout_s"):
+            main(cfg, JobInfo(run_dir))
+    finally:
+        release.set()
+        for t in threading.enumerate():
+            if t.name.startswith("dflash-"):
+                t.join(30)
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "failed"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_3"]  # not step_4
+    assert not (run_dir / "drafter").exists()
+    assert any("run failed at step" in r.getMessage() for r in caplog.records)
+
+
+def test_failing_export_still_ends_the_callbacks(tmp_path, cache_dir, tiny_target, monkeypatch, caplog):
+    import logging
+
+    import dflash.export
+    from dflash.run import JobInfo, main
+
+    def broken_export(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dflash.export, "export_drafter", broken_export)
+    cfg = _in_process(["train.max_steps=3"], cache_dir, monkeypatch)
+    with caplog.at_level(logging.INFO, logger="dflash.callbacks"), pytest.raises(OSError, match="disk full"):
+        main(cfg, JobInfo(tmp_path / "run"))
+    assert json.loads((tmp_path / "run" / "status.json").read_text())["status"] == "failed"
+    assert any("run failed at step 3/3" in r.getMessage() for r in caplog.records)

@@ -87,16 +87,11 @@ def test_jobs_in_one_process_free_threads_and_models(tmp_path, cache_dir, tiny_t
     and no model behind, or a long sweep grows until it runs out of memory."""
     import threading
 
-    from hydra import compose, initialize_config_dir
-
-    from conftest import REPO
-    from dflash.config import register_configs
+    from conftest import compose_config
     from dflash.run import JobInfo, main
 
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(cache_dir))
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=SMOKE)
+    cfg = compose_config(SMOKE)
     threads_before = {t.ident for t in threading.enumerate()}
     models_before = _live_models()
     for job in range(2):
