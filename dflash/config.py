@@ -125,7 +125,7 @@ class DataConfig:
     name: str = MISSING  # stdlib | jsonl
     path: str | None = None  # jsonl: a file or a directory of .jsonl files
     on_bad_record: str = "fail"  # fail | skip
-    holdout_fraction: float = 0.05  # stdlib: share of files kept out of training for eval prompts
+    holdout_fraction: float = 0.05  # share of stdlib files / last jsonl records kept out of training (eval prompts)
     max_files: int | None = None  # stdlib: cap on source files read (null = all)
     min_supervised_tokens: int | None = None  # null = 2 * block_size
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)

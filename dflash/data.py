@@ -77,7 +77,7 @@ def _render_record(record: dict, tokenizer, where: str) -> Document:
             raise BadRecordError(f"{where}: 'messages' must be a non-empty list of {{role, content}} strings")
         if not any(m["role"] == "assistant" for m in msgs):
             raise BadRecordError(f"{where}: no assistant message to supervise")
-        return _render_chat(msgs, tokenizer)
+        return _render_chat(msgs, tokenizer, where)
     raise BadRecordError(f"{where}: a record needs 'text' or 'messages' (keys: {sorted(record)})")
 
 
@@ -88,18 +88,45 @@ def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> l
     return list(out)
 
 
-def _render_chat(messages: list[dict], tokenizer) -> Document:
-    """Render with the chat template; supervise exactly the tokens each assistant turn adds to the prefix."""
+def _render_chat(messages: list[dict], tokenizer, where: str = "record") -> Document:
+    """Render with the chat template; supervise exactly the tokens each assistant turn adds to the prefix.
+
+    Turn i spans from the render of messages[:i] + generation prompt to the render of messages[:i+1]. That
+    holds only where both renders are prefixes of the whole conversation's render. Some templates render the
+    last turn differently (Qwen3 adds an empty <think></think> block to the final assistant turn only), so an
+    earlier turn rendered alone would be longer than in the conversation and its span would run into the next
+    user turn. Such turns are left unsupervised (logged once); the final turn always renders consistently.
+    """
     ids = _chat_ids(tokenizer, messages, add_generation_prompt=False)
     mask = [False] * len(ids)
+    inconsistent = 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start = len(_chat_ids(tokenizer, messages[:i], add_generation_prompt=True)) if i else 0
-        end = len(_chat_ids(tokenizer, messages[: i + 1], add_generation_prompt=False))
-        for j in range(start, min(end, len(ids))):
+        head = _chat_ids(tokenizer, messages[:i], add_generation_prompt=True) if i else []
+        turn = _chat_ids(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if ids[: len(head)] != head or ids[: len(turn)] != turn or len(turn) <= len(head):
+            inconsistent += 1
+            continue
+        for j in range(len(head), len(turn)):
             mask[j] = True
+    if inconsistent:
+        _warn_inconsistent_template(inconsistent)
+    if not any(mask):
+        raise BadRecordError(f"{where}: the chat template renders no assistant turn as a prefix of the conversation")
     return Document(ids, mask)
+
+
+_warned_template = False
+
+
+def _warn_inconsistent_template(turns: int) -> None:
+    global _warned_template
+    if not _warned_template:
+        _warned_template = True
+        log.warning("the chat template renders %d assistant turn(s) of a conversation differently on their own than "
+                    "inside it (e.g. Qwen3's <think> block on the last turn only): those turns are not supervised; "
+                    "the conversation's last turn is. Logged once.", turns)
 
 
 def jsonl_files(path: str) -> list[Path]:
@@ -223,6 +250,9 @@ def build_batches(data_cfg, train_cfg, tokenizer, block_size: int, target_model=
         docs = stdlib_documents(tokenizer, "train", data_cfg.holdout_fraction, data_cfg.max_files)
     else:
         docs, skipped = read_jsonl(data_cfg.path, tokenizer, data_cfg.on_bad_record)
+        docs, held = split_heldout(docs, data_cfg.holdout_fraction)
+        log.info("data=jsonl: the last %d of %d records are held out for eval prompts (data.holdout_fraction)",
+                 len(held), len(docs) + len(held))
     if not docs:
         raise ValueError(f"data={data_cfg.name}: no documents")
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
@@ -253,13 +283,22 @@ def sample_prompts(tokenizer, texts: list[str], num_prompts: int, prompt_len: in
     return prompts
 
 
+def split_heldout(docs: list[Document], holdout_fraction: float) -> tuple[list[Document], list[Document]]:
+    """(train, held out): the last `holdout_fraction` of the records (at least one when there are two or more)
+    are kept out of training, so eval prompts are text the drafter has not seen."""
+    if len(docs) < 2:
+        return docs, []
+    k = max(1, int(len(docs) * holdout_fraction))
+    return docs[:-k], docs[-k:]
+
+
 def heldout_prompts(tokenizer, data_cfg, num_prompts: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
-    """Eval prompts from held-out text: stdlib held-out files, or for jsonl the last records of the data."""
+    """Eval prompts from held-out text: stdlib held-out files, or for jsonl the held-out last records."""
     if data_cfg.name == "stdlib":
         texts = [read_text(p) for p in stdlib_files("heldout", data_cfg.holdout_fraction)]
-    else:
+    else:  # reads the data again: the held-out records are few, but finding them needs the record count
         docs, _ = read_jsonl(data_cfg.path, tokenizer, "skip")
-        texts = [tokenizer.decode(d.ids) for d in docs[-max(num_prompts, 1) * 4 :]]
+        texts = [tokenizer.decode(d.ids) for d in split_heldout(docs, data_cfg.holdout_fraction)[1]]
     return sample_prompts(tokenizer, texts, num_prompts, prompt_len, seed)
 
 

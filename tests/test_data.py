@@ -1,0 +1,77 @@
+"""Loss masks of chat records: exactly the assistant turns' tokens are supervised."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from dflash.data import BadRecordError, _render_record
+
+CONVERSATION = [
+    {"role": "user", "content": "first question"},
+    {"role": "assistant", "content": "first answer"},
+    {"role": "user", "content": "second question"},
+    {"role": "assistant", "content": "second answer"},
+]
+
+# Like Qwen3's template: an empty think block on the final assistant turn only.
+LAST_TURN_DIFFERS = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and loop.last %}<think></think>{% endif %}"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _supervised_text(tokenizer, doc) -> list[str]:
+    """The supervised spans, decoded."""
+    spans, cur = [], []
+    for tok, on in zip(doc.ids, doc.loss_mask):
+        if on:
+            cur.append(tok)
+        elif cur:
+            spans.append(tokenizer.decode(cur)), cur.clear()
+    if cur:
+        spans.append(tokenizer.decode(cur))
+    return spans
+
+
+def test_every_assistant_turn_is_supervised_with_a_consistent_template(tiny_tokenizer):
+    doc = _render_record({"messages": CONVERSATION}, tiny_tokenizer, "x.jsonl:1")
+    assert _supervised_text(tiny_tokenizer, doc) == ["first answer<|im_end|>\n", "second answer<|im_end|>\n"]
+
+
+def test_turns_rendered_differently_alone_are_not_supervised(tiny_tokenizer):
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = LAST_TURN_DIFFERS
+    doc = _render_record({"messages": CONVERSATION}, tok, "x.jsonl:1")
+    # the first answer rendered alone gains <think></think>: its span would have run into the next user turn
+    assert _supervised_text(tok, doc) == ["<think></think>second answer<|im_end|>\n"]
+
+
+def test_a_record_without_a_consistent_turn_is_bad(tiny_tokenizer):
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    with pytest.raises(BadRecordError, match="x.jsonl:1: the chat template renders no assistant turn"):
+        _render_record({"messages": CONVERSATION[:2]}, tok, "x.jsonl:1")
+
+
+def test_jsonl_eval_prompts_come_from_records_kept_out_of_training(tmp_path, tiny_tokenizer):
+    import json
+
+    from omegaconf import OmegaConf
+
+    from dflash.data import build_batches, heldout_prompts
+
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"text": f"this is record {r}\n" * 12}) + "\n" for r in range(20)))
+    data = OmegaConf.create({"name": "jsonl", "path": str(path), "on_bad_record": "fail", "holdout_fraction": 0.1,
+                             "min_supervised_tokens": 1})
+    train = OmegaConf.create({"seq_len": 16, "batch_size": 1, "seed": 0})
+    batches, _ = build_batches(data, train, tiny_tokenizer, block_size=4)
+    trained = tiny_tokenizer.decode(batches.windows.flatten().tolist())
+    assert "record 0\n" in trained and "record 18" not in trained and "record 19" not in trained
+    prompts = [tiny_tokenizer.decode(p) for p in heldout_prompts(tiny_tokenizer, data, num_prompts=4, prompt_len=12)]
+    assert len(prompts) == 4
+    assert all("record 18\n" in p or "record 19\n" in p for p in prompts), prompts
