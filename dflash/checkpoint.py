@@ -56,14 +56,24 @@ def save_checkpoint(run_dir: Path, drafter, trainer_state: dict, extra: dict, ke
     meta = {"step": step, "tokens": int(trainer_state["tokens"]), "signature": model_signature(drafter),
             "drafter_config": drafter.config.to_dict(), **extra, "complete": True}
     (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
-    with open(tmp / META) as f:
-        os.fsync(f.fileno())
+    for name in (WEIGHTS, STATE, META):  # on disk before the rename makes the checkpoint look complete
+        _fsync(tmp / name)
+    _fsync(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+    _fsync(root)  # the rename itself survives a power loss
     _prune(root, keep_last)
     log.info("checkpoint step %d -> %s", step, final)
     return final
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _complete_checkpoints(root: Path) -> list[Path]:

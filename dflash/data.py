@@ -183,6 +183,8 @@ def pack(docs: list[Document], eos_id: int) -> tuple[torch.Tensor, torch.Tensor]
     for d in docs:
         ids.extend(d.ids)
         mask.extend(d.loss_mask)
+        if d.ids and d.ids[-1] == eos_id:
+            continue  # already ends with EOS (e.g. a regenerated answer): a second one would teach "EOS -> EOS"
         ids.append(eos_id)
         mask.append(bool(d.loss_mask[-1]) if d.loss_mask else False)
     return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
@@ -340,7 +342,10 @@ def regenerated_corpus(model, tokenizer, target_path: str, data_cfg, seed: int, 
         "target": str(Path(target_path).expanduser().resolve()) if Path(target_path).expanduser().exists() else target_path,
         "config": _file_fingerprint(Path(target_path) / "config.json"),
         "weights": _file_fingerprint(Path(target_path) / "model.safetensors"),
-        "regen": {k: getattr(r, k) for k in ("num_prompts", "prompt_len", "max_new_tokens", "temperature")},
+        # batch_size too: with temperature > 0 it changes the sampling stream
+        "regen": {k: getattr(r, k) for k in ("num_prompts", "prompt_len", "max_new_tokens", "temperature",
+                                             "batch_size")},
+        "tokenizer": [_file_fingerprint(Path(target_path) / f) for f in ("tokenizer.json", "tokenizer_config.json")],
         "holdout": data_cfg.holdout_fraction, "max_files": data_cfg.max_files, "seed": seed,
     }, sort_keys=True)
     digest = hashlib.sha1(key_src.encode()).hexdigest()[:16]

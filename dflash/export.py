@@ -35,14 +35,28 @@ def build_drafter_config(target_config, model_cfg, target_layer_ids: list[int], 
     heads = model_cfg.draft_num_attention_heads or target_config.num_attention_heads
     head_dim = model_cfg.draft_head_dim or getattr(target_config, "head_dim", None) or (
         target_config.hidden_size // target_config.num_attention_heads)
-    rope = dict(getattr(target_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
+    kv_heads = model_cfg.draft_num_key_value_heads or target_config.num_key_value_heads
+    if heads % kv_heads:
+        from dflash.config import ConfigError
+
+        raise ConfigError(
+            f"model.draft_num_attention_heads={heads} is invalid with model.draft_num_key_value_heads={kv_heads} "
+            "(null = the target's): the query heads must be a multiple of the key/value heads")
+    # The drafter applies plain RoPE (dflash/drafter.py), so its config says exactly that: copying a target's
+    # scaled RoPE (yarn, ...) would make serving engines apply a scaling the drafter was not trained with.
+    target_rope = dict(getattr(target_config, "rope_parameters", None) or {})
+    theta = float(target_rope.get("rope_theta", getattr(target_config, "rope_theta", None) or 10000.0))
+    if target_rope.get("rope_type", "default") != "default":
+        log.warning("the target uses rope_type=%s; the drafter uses plain RoPE (theta %g) and its config says so",
+                    target_rope["rope_type"], theta)
+    rope = {"rope_type": "default", "rope_theta": theta}
     cfg = Qwen3Config(
         vocab_size=target_config.vocab_size,
         hidden_size=target_config.hidden_size,
         intermediate_size=model_cfg.draft_intermediate_size or target_config.intermediate_size,
         num_hidden_layers=n,
         num_attention_heads=heads,
-        num_key_value_heads=model_cfg.draft_num_key_value_heads or target_config.num_key_value_heads,
+        num_key_value_heads=kv_heads,
         head_dim=head_dim,
         hidden_act="silu",
         max_position_embeddings=target_config.max_position_embeddings,

@@ -75,3 +75,12 @@ def test_jsonl_eval_prompts_come_from_records_kept_out_of_training(tmp_path, tin
     prompts = [tiny_tokenizer.decode(p) for p in heldout_prompts(tiny_tokenizer, data, num_prompts=4, prompt_len=12)]
     assert len(prompts) == 4
     assert all("record 18\n" in p or "record 19\n" in p for p in prompts), prompts
+
+
+def test_pack_joins_documents_with_one_eos():
+    from dflash.data import Document, pack
+
+    eos = 0
+    ids, mask = pack([Document([5, 6], [False, True]), Document([7, eos], [True, True]), Document([8], [False])], eos)
+    assert ids.tolist() == [5, 6, eos, 7, eos, 8, eos]  # the second document's own EOS is not doubled
+    assert mask.tolist() == [False, True, True, True, True, False, False]

@@ -239,3 +239,34 @@ def test_flex_block_mask_matches_dense_mask():
     with torch.no_grad():
         out2 = d(emb, th2, blocks.position_ids, attention_mask=flex_mask)
     assert torch.allclose(out2[:, B : 2 * B], out[:, B : 2 * B], atol=1e-6)
+
+
+def _model_cfg(**kw):
+    from omegaconf import OmegaConf
+
+    base = {"num_draft_layers": 1, "draft_num_attention_heads": None, "draft_num_key_value_heads": None,
+            "draft_head_dim": None, "draft_intermediate_size": None, "block_size": B}
+    return OmegaConf.create({**base, **kw})
+
+
+def _target_config(**kw):
+    return Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, **kw)
+
+
+def test_draft_heads_must_be_a_multiple_of_kv_heads():
+    from dflash.config import ConfigError
+    from dflash.export import build_drafter_config
+
+    build_drafter_config(_target_config(), _model_cfg(draft_num_attention_heads=6), [1, 2], 1)  # 6 = 3 x 2: fine
+    with pytest.raises(ConfigError, match="model.draft_num_attention_heads=3 .* multiple of the key/value heads"):
+        build_drafter_config(_target_config(), _model_cfg(draft_num_attention_heads=3), [1, 2], 1)
+
+
+def test_drafter_config_states_the_plain_rope_it_uses():
+    """A target with scaled RoPE: the drafter (plain RoPE) must not export the target's scaling."""
+    from dflash.export import build_drafter_config
+
+    yarn = {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0, "original_max_position_embeddings": 4096}
+    cfg = build_drafter_config(_target_config(rope_parameters=yarn), _model_cfg(), [1, 2], 1)
+    assert cfg.rope_parameters == {"rope_type": "default", "rope_theta": 5e5}
