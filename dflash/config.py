@@ -102,7 +102,7 @@ class WandbConfig:
 @dataclass
 class LoggingConfig:
     name: str = "wandb"
-    log_every_s: float = 5.0  # console refresh / W&B log throttle
+    log_every_s: float = 5.0  # console refresh interval (JSONL and W&B get every monitor tick)
     console: bool = True
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
