@@ -407,6 +407,7 @@ class WandbCallback(Callback):
         self._run_id: str | None = None
         self._tau_best: float | None = None
         self._tau_last: float | None = None
+        self._logged_up_to: float | None = None  # resumed run: the last step W&B already has
 
     @property
     def run_id(self) -> str | None:
@@ -447,11 +448,30 @@ class WandbCallback(Callback):
             return
         self.run = run
         self._run_id = run.id
+        if info.wandb_run_id:
+            self._continue_from(run)
         self._worker = threading.Thread(target=self._work, name="wandb-logger", daemon=True)
         self._worker.start()
         log.info("W&B run %s (%s) logging to %s", run.id, self.cfg.mode, self.run_dir / "wandb")
 
+    def _continue_from(self, run) -> None:
+        """A resumed run retrains the steps after its checkpoint that W&B already has: skip logging those
+        again (the values are the same: steps are deterministic), and keep the best eval/tau so far.
+        Offline runs know nothing of what was synced, so they log everything."""
+        try:
+            last_step = run.summary.get("step")
+            best = run.summary.get("eval/tau_best")
+        except Exception:  # noqa: BLE001 - a summary we cannot read means nothing to skip
+            return
+        if isinstance(last_step, (int, float)):
+            self._logged_up_to = last_step
+        if isinstance(best, (int, float)):
+            self._tau_best = float(best)
+
     def on_metrics(self, metrics: dict) -> None:
+        step = metrics.get("step")
+        if self._logged_up_to is not None and isinstance(step, (int, float)) and step <= self._logged_up_to:
+            return
         self._enqueue(metrics)
 
     def on_eval(self, results: dict) -> None:

@@ -403,3 +403,19 @@ def test_wandb_worker_error_disables_logging_once(tmp_path, monkeypatch, caplog)
     assert run.finished_with == 0
     assert run.summary == {}  # a broken W&B is not written to again, only finished
     assert cb.run_id == "fake123"
+
+
+def test_wandb_resumed_run_skips_steps_it_already_has(tmp_path, monkeypatch):
+    """Killed at step 7 after a checkpoint at 5: the resumed run retrains 6 and 7, which W&B already has."""
+    run = FakeRun()
+    run.summary.update({"step": 7, "eval/tau_best": 3.5})
+    _fake_wandb(monkeypatch, run)
+    cb = WandbCallback(WandbConfig(mode="online"), tmp_path)
+    monkeypatch.setattr("dflash.callbacks.wandb_credentials_problem", lambda: None)
+    cb.on_run_start(_info(tmp_path, wandb_run_id="fake123"))
+    for step in (6, 7, 8, 9):
+        cb.on_metrics(_tick(step))
+    cb.on_eval({"step": 9, "eval/tau": 3.0})
+    cb.on_run_end("completed", {})
+    assert [x["step"] for x in run.logged] == [8, 9, 9]
+    assert run.summary["eval/tau_best"] == 3.5 and run.summary["eval/tau"] == 3.0
