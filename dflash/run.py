@@ -377,7 +377,12 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
     try:
         export_drafter(drafter, run_dir / "drafter", target=cfg.model.target)
         if status == "completed" and cfg.eval.final:
-            summary.update(run_eval(trainer.step, final=True))
+            done_before = _final_eval_at(run_dir / "eval.json")
+            if done_before is not None and done_before[0] == trainer.step:  # resumed a completed run
+                log.info("final eval at step %d already in eval.json; not repeated", trainer.step)
+                summary.update(done_before[1])
+            else:
+                summary.update(run_eval(trainer.step, final=True))
     except BaseException:
         if status == "completed":  # an interrupted run has ended its callbacks already
             callbacks.on_run_end("failed", summary)
@@ -388,6 +393,15 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
     if status == "completed":
         callbacks.on_run_end(status, summary)
     return {**summary, "_status": status, "_reason": reason}
+
+
+def _final_eval_at(path: Path) -> tuple[int, dict] | None:
+    """(step, metrics) of an existing eval.json, or None."""
+    try:
+        data = json.loads(path.read_text())
+        return int(data["step"]), {k: v for k, v in data["metrics"].items() if isinstance(v, (int, float))}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _drafter_still_running(pipeline) -> bool:

@@ -164,3 +164,16 @@ def test_state_is_loaded_with_weights_only(tmp_path, monkeypatch):
     t = T()
     load_checkpoint(latest_checkpoint(tmp_path), make_drafter(), t)
     assert calls == [True] and t.state["step"] == 1
+
+
+@pytest.mark.slow
+def test_resuming_a_completed_run_repeats_nothing(tmp_path, cache_dir, tiny_target):
+    run_dir = tmp_path / "run"
+    launch(["experiment=smoke", "train.max_steps=4", "eval.num_prompts=1", "eval.max_new_tokens=4",
+            f"hydra.run.dir={run_dir}"], cache_dir, check=True)
+    before = (run_dir / "metrics.jsonl").read_text()
+    assert '"eval/tau"' in before
+    launch([f"resume={run_dir}"], cache_dir, check=True)
+    assert (run_dir / "metrics.jsonl").read_text() == before  # no second final-eval row
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
+    assert json.loads((run_dir / "summary.json").read_text())["eval/tau"] >= 1.0
