@@ -1,6 +1,7 @@
 """Entry point: `python launch.py [group=option ...] [key=value ...]`, `-m` for sweeps. See README.md."""
 
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -16,6 +17,9 @@ def _route_resume(argv: list[str]) -> list[str]:
     for arg in argv[1:]:
         if arg.startswith(("resume=", "+resume=")):
             run_dir = arg.split("=", 1)[1]
+            if run_dir and not (Path(run_dir).expanduser() / "config_resolved.yaml").is_file():
+                # before Hydra runs: it would create the mistyped directory
+                sys.exit(f"error: resume={run_dir}: not a run directory (no config_resolved.yaml there)")
             if run_dir and not any(a.startswith("hydra.run.dir=") for a in argv):
                 argv = argv + [f"hydra.run.dir={run_dir}", "hydra.output_subdir=.hydra/resume"]
             return [a if not a.startswith("+resume=") else a[1:] for a in argv]

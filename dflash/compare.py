@@ -692,6 +692,8 @@ def run_cli(args: argparse.Namespace) -> str:
         raise ValueError(f"no run matches --filter {' '.join(args.filter)}")
     sort = parse_sort(args.sort) if args.sort else []
     check_keys([k for k, _ in sort], runs, "--sort")
+    if list(args.metrics) != list(DEFAULT_METRICS):  # the defaults may be missing (e.g. runs without eval)
+        check_keys(args.metrics, runs, "--metrics")
     if args.plot:
         path = plot_runs(runs, args.plot_metric, args.plot, args.plot_x, args.ignore)
         log.info("wrote %s", path)

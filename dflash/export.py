@@ -164,7 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from dflash.checkpoint import load_drafter_from_source
 
-    drafter, target = load_drafter_from_source(Path(args.source))
+    try:
+        drafter, target = load_drafter_from_source(Path(args.source))
+    except (FileNotFoundError, ValueError) as e:  # a wrong path or a checkpoint that does not fit: the user's to fix
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(args.dtype)
     out = export_drafter(drafter, Path(args.out), dtype=dtype, target=target)
     print(f"exported drafter to {out}")

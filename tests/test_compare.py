@@ -177,6 +177,12 @@ def test_filter_errors(sweep_dir: Path, capsys: pytest.CaptureFixture) -> None:
     assert "KEY OP VALUE" in capsys.readouterr().err
 
 
+def test_misspelt_metric_is_an_error(sweep_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main([str(sweep_dir), "--metrics", "eval/tua"]) == 1  # used to print an empty column
+    err = capsys.readouterr().err
+    assert "--metrics" in err and "eval/tua" in err and "eval/tau" in err
+
+
 def test_sort(sweep_dir: Path, capsys: pytest.CaptureFixture) -> None:
     def col(sort: str, key: str) -> list:
         return [r[key] for r in json.loads(_cli(capsys, str(sweep_dir), "--format", "json", f"--sort={sort}"))]

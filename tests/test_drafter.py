@@ -270,3 +270,11 @@ def test_drafter_config_states_the_plain_rope_it_uses():
     yarn = {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0, "original_max_position_embeddings": 4096}
     cfg = build_drafter_config(_target_config(rope_parameters=yarn), _model_cfg(), [1, 2], 1)
     assert cfg.rope_parameters == {"rope_type": "default", "rope_theta": 5e5}
+
+
+def test_export_cli_reports_a_wrong_path_in_one_line(tmp_path, capsys):
+    from dflash.export import main
+
+    assert main([str(tmp_path / "nothere"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "nothere" in err and "Traceback" not in err

@@ -177,3 +177,9 @@ def test_resuming_a_completed_run_repeats_nothing(tmp_path, cache_dir, tiny_targ
     assert (run_dir / "metrics.jsonl").read_text() == before  # no second final-eval row
     assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
     assert json.loads((run_dir / "summary.json").read_text())["eval/tau"] >= 1.0
+
+
+def test_resume_of_a_mistyped_path_creates_nothing(tmp_path, cache_dir):
+    proc = launch([f"resume={tmp_path / 'nope'}"], cache_dir)
+    assert proc.returncode != 0 and "not a run directory" in proc.stderr
+    assert not (tmp_path / "nope").exists()
