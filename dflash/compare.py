@@ -606,7 +606,7 @@ def plot_runs(
     import matplotlib.pyplot as plt
 
     keys = varying_keys(runs, ignore)
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9, 5))
     plotted = 0
     for r in runs:
         xs, ys = r.history(metric, x)
@@ -615,7 +615,7 @@ def plot_runs(
         label = ", ".join(f"{k}={_human(_config_cell(r, k), k)}" for k in keys) or r.name
         if r.status != "completed":
             label += f" [{r.status}]"
-        ax.plot(xs, ys, label=label, linewidth=1.2)
+        ax.plot(xs, ys, label=label, linewidth=1.2, marker="o" if len(xs) < 3 else None)  # a lone point shows
         plotted += 1
     if not plotted:
         plt.close(fig)
@@ -623,11 +623,11 @@ def plot_runs(
     ax.set_xlabel(x)
     ax.set_ylabel(metric)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # long labels beside the axes
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return out
 
