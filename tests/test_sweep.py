@@ -101,3 +101,16 @@ def test_jobs_in_one_process_free_threads_and_models(tmp_path, cache_dir, tiny_t
         left = [t.name for t in threading.enumerate() if t.ident not in threads_before]
         assert left == [], f"job {job} left threads running: {left}"
         assert _live_models() == models_before, f"job {job} left models alive"
+
+
+def test_joblib_launcher_runs_jobs_in_parallel_processes(tmp_path, cache_dir, tiny_target):
+    """The documented CPU-parallel launcher: each job a complete run dir, one sweep.json for all."""
+    sweep = tmp_path / "sweep"
+    launch(["-m", *SMOKE, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sweep}",
+            "loss.streak_alpha=0,1"], cache_dir, check=True, timeout=600)
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
+    assert len(jobs) == 2
+    assert all(json.loads((j / "status.json").read_text())["status"] == "completed" for j in jobs)
+    summary = json.loads((sweep / "sweep.json").read_text())
+    assert sorted(j["status"] for j in summary["jobs"]) == ["completed", "completed"]
+    assert "JoblibLauncher" in (jobs[0] / ".hydra" / "hydra.yaml").read_text()
