@@ -13,8 +13,12 @@ and prints async/sync and async/min(stand-alone). On CPU every stage gets `threa
 two stages on two cores), so sync runs on one core while async uses one per stage; balanced stages give a
 physical limit of async/sync = 2. `sync_all_threads` adds a sync run with all cores for context.
 
+It also prints the drafter step's achieved TFLOP/s, with FLOPs counted by `torch.utils.flop_counter` over one
+real step (the matmuls and attention it executes, forward and backward, LM-head loss included), and its MFU
+against the device's dense peak: known for H100/H200 (989 TFLOP/s bf16) and A100 (312), else `peak_tflops=`.
+
 Options: size=tiny|1b device=auto dtype=float32 batch_size=8 seq_len=256 num_anchors=auto block_size=8
-steps=40 warmup=5 threads=1 queue_size=4.
+steps=40 warmup=5 threads=1 queue_size=4 peak_tflops=auto.
   size=tiny: hidden 256, 6 layers (the embedded default's shape); size=1b: Qwen3-shaped, hidden 2048, 24 layers,
   ~1B parameters with its embeddings (for a GPU: device=cuda dtype=bfloat16).
   num_anchors=auto balances the stages: it times the target step, then picks the anchors per sequence whose
@@ -33,7 +37,10 @@ import torch
 
 DEFAULTS = {"size": "tiny", "device": "auto", "dtype": "float32", "batch_size": "8", "seq_len": "256",
             "num_anchors": "auto", "block_size": "8", "steps": "40", "warmup": "5", "threads": "1",
-            "queue_size": "4"}
+            "queue_size": "4", "peak_tflops": "auto"}
+
+# Dense bf16/fp16 tensor-core peaks (TFLOP/s, no sparsity) by device-name fragment.
+PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
 
 SHAPES = {
     "tiny": dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
@@ -73,6 +80,24 @@ def _throughput(fn, items, warmup: int) -> tuple[float, float]:
     sync_device()
     dt = time.perf_counter() - t0
     return tokens / dt, dt / max(1, len(items) - warmup)
+
+
+def drafter_step_flops(trainer, item) -> float:
+    """FLOPs of one real drafter training step, counted by torch's FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        trainer.step_fn(item)
+    return float(counter.get_total_flops())
+
+
+def peak_tflops(option: str, device: torch.device) -> float | None:
+    if option != "auto":
+        return float(option)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
 def sync_device() -> None:
@@ -135,7 +160,8 @@ def bench_pipeline(args: list[str]) -> None:
             num_anchors = best[0]
         else:
             num_anchors = int(opts["num_anchors"])
-        drafter_tok_s, _ = _throughput(make_trainer(num_anchors).step_fn, items, warmup)
+        drafter_tok_s, drafter_step_s = _throughput(make_trainer(num_anchors).step_fn, items, warmup)
+        step_flops = drafter_step_flops(make_trainer(num_anchors), items[0])
 
         def run_pipeline(mode: str, stage_threads: int) -> tuple[float, dict]:
             trainer = make_trainer(num_anchors)
@@ -168,6 +194,11 @@ def bench_pipeline(args: list[str]) -> None:
     print(f"async / min(stand-alone):     {async_tok_s / min(target_tok_s, drafter_tok_s):.2f}")
     if sync_all_tok_s:
         print(f"async / sync({cores} threads):     {async_tok_s / sync_all_tok_s:.2f}")
+    achieved = step_flops / drafter_step_s / 1e12
+    peak = peak_tflops(opts["peak_tflops"], device)
+    mfu = f", MFU {achieved / peak:.1%} of {peak:g} TFLOP/s peak" if peak else " (MFU: give peak_tflops=)"
+    print(f"drafter step: {step_flops / 1e9:.2f} GFLOP counted, {drafter_step_s * 1e3:.1f} ms, "
+          f"{achieved:.3f} TFLOP/s{mfu}")
     t, d = stats["target"], stats["drafter"]
     print(f"async busy fractions: target {t['busy_s'] / stats['wall_s']:.2f}, drafter {d['busy_s'] / stats['wall_s']:.2f}; "
           f"hs_queue peak depth {stats['hs_queue_peak_depth']}")

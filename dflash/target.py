@@ -16,7 +16,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        from dflash.config import ConfigError
+
+        raise ConfigError(f"model.device={name!r} is invalid: torch sees no CUDA device here "
+                          f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None}); use auto or cpu")
+    return device
 
 
 def check_target_exists(target: str) -> None:

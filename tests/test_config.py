@@ -114,3 +114,15 @@ def test_unreadable_data_file(tmp_path, cache_dir, tiny_target):
     assert proc.returncode != 0
     assert str(data) in proc.stderr
     assert _status(run_dir)["status"] == "failed"
+
+
+def test_cuda_device_without_cuda_is_a_config_error(monkeypatch):
+    import torch
+
+    from dflash.config import ConfigError
+    from dflash.target import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="model.device='cuda:1' is invalid: torch sees no CUDA device"):
+        resolve_device("cuda:1")
+    assert resolve_device("auto").type == "cpu" and resolve_device("cpu").type == "cpu"

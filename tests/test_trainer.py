@@ -104,3 +104,22 @@ def test_logged_lr_is_the_lr_of_the_last_step_taken(parts):
     for _ in range(3):
         trainer.step_fn(item)
     assert trainer.metrics()["train/lr"] == trainer.optimizer.param_groups[0]["lr"] == trainer.lr_for(2)
+
+
+def test_bench_flop_count_sees_the_fused_lm_head(parts, tiny_target):
+    """The bench's MFU rests on FlopCounterMode counting the matmuls inside the chunked LM-head loss (a custom
+    autograd function): the KL loss must add exactly the teacher's logits, 2 * labels * hidden * vocab."""
+    from dflash.bench_pipeline import drafter_step_flops
+
+    cfg, target, _, mask_id = parts
+    item = TargetStep(target, torch.device("cpu"))(_batch())
+    flops = {}
+    for loss in ("ce_decay", "kl"):
+        cfg.loss.name = loss
+        torch.manual_seed(0)
+        drafter = DFlashDraftModel(build_drafter_config(target.model.config, cfg.model, [1, 2], mask_id))
+        flops[loss] = drafter_step_flops(DrafterTrainer(cfg, target, drafter, mask_id, total_steps=10), item)
+    labels = item.input_ids.shape[0] * cfg.train.num_anchors * (cfg.model.block_size - 1)
+    lm_head = 2 * labels * target.model.config.hidden_size * target.model.config.vocab_size
+    assert flops["kl"] - flops["ce_decay"] == lm_head
+    assert flops["ce_decay"] > 2 * lm_head  # logits forward + gradient w.r.t. the draft hidden states, at least
