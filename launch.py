@@ -14,15 +14,19 @@ register_configs()
 def _route_resume(argv: list[str]) -> list[str]:
     """`resume=RUN_DIR` continues that run in its own directory: point Hydra's run dir there and keep this
     invocation's Hydra files apart from the original ones."""
-    for arg in argv[1:]:
+    for i, arg in enumerate(argv[1:], start=1):
         if arg.startswith(("resume=", "+resume=")):
             run_dir = arg.split("=", 1)[1]
-            if run_dir and not (Path(run_dir).expanduser() / "config_resolved.yaml").is_file():
+            if not run_dir:
+                return argv
+            run_dir = str(Path(run_dir).expanduser())  # Hydra would make a literal "~" directory
+            if not (Path(run_dir) / "config_resolved.yaml").is_file():
                 # before Hydra runs: it would create the mistyped directory
                 sys.exit(f"error: resume={run_dir}: not a run directory (no config_resolved.yaml there)")
-            if run_dir and not any(a.startswith("hydra.run.dir=") for a in argv):
+            argv = [*argv[:i], f"resume={run_dir}", *argv[i + 1 :]]
+            if not any(a.startswith("hydra.run.dir=") for a in argv):
                 argv = argv + [f"hydra.run.dir={run_dir}", "hydra.output_subdir=.hydra/resume"]
-            return [a if not a.startswith("+resume=") else a[1:] for a in argv]
+            return argv
     return argv
 
 

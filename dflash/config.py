@@ -239,6 +239,11 @@ def validate(cfg: DictConfig | Config) -> None:
         _check(m.mask_token_id >= 0, "model.mask_token_id", m.mask_token_id, "must be >= 0")
     _one_of("model.build.kind", m.build.kind, ("none", "tiny", "tiny_random"))
     _one_of("model.attention", m.attention, ("auto", "sdpa", "flex"))
+    _check(not (m.attention == "flex" and m.device == "cpu"), "model.attention", m.attention,
+           "flex needs a CUDA device (FlexAttention has no CPU backward); use sdpa or auto with model.device=cpu")
+    _optional_at_least("model.num_target_features", m.num_target_features, 1)
+    for key in ("draft_num_attention_heads", "draft_num_key_value_heads", "draft_head_dim", "draft_intermediate_size"):
+        _optional_at_least(f"model.{key}", getattr(m, key), 1)
 
     lo = c.loss
     _one_of("loss.name", lo.name, ("ce_decay", "kl", "kl_streak"))
@@ -271,6 +276,7 @@ def validate(cfg: DictConfig | Config) -> None:
     if d.name == "jsonl":
         _check(bool(d.path), "data.path", d.path, "data=jsonl needs data.path (a .jsonl file or a directory of them)")
     _check(0.0 < d.holdout_fraction < 1.0, "data.holdout_fraction", d.holdout_fraction, "must be in (0, 1)")
+    _optional_at_least("data.max_files", d.max_files, 1)
     r = d.regenerate
     if r.enabled:
         _check(d.name == "stdlib", "data.regenerate.enabled", r.enabled,
@@ -286,12 +292,17 @@ def validate(cfg: DictConfig | Config) -> None:
     _check(p.drafter_workers == 1, "pipeline.drafter_workers", p.drafter_workers,
            "only 1 is supported on one process (more drafter ranks come with torchrun)")
     _check(p.monitor_interval_s > 0, "pipeline.monitor_interval_s", p.monitor_interval_s, "must be > 0")
+    _check(p.join_timeout_s > 0, "pipeline.join_timeout_s", p.join_timeout_s, "must be > 0")
+    _optional_at_least("pipeline.queue_bytes", p.queue_bytes, 1)
+    _optional_at_least("pipeline.threads_per_stage", p.threads_per_stage, 1)
 
     e = c.eval
     _check(e.every_steps >= 0, "eval.every_steps", e.every_steps, "must be >= 0 (0 = final eval only)")
     _check(e.num_prompts >= 0, "eval.num_prompts", e.num_prompts, "must be >= 0")
     _check(e.max_new_tokens >= 1, "eval.max_new_tokens", e.max_new_tokens, "must be >= 1")
     _check(e.temperature >= 0, "eval.temperature", e.temperature, "must be >= 0 (0 = greedy)")
+    _check(e.prompt_len >= 1, "eval.prompt_len", e.prompt_len, "must be >= 1")
+    _check(e.prompt_lookup_ngram >= 1, "eval.prompt_lookup_ngram", e.prompt_lookup_ngram, "must be >= 1")
 
     t = c.train
     _check(t.max_steps >= 1, "train.max_steps", t.max_steps, "must be >= 1")
@@ -305,10 +316,16 @@ def validate(cfg: DictConfig | Config) -> None:
     _check(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", list(t.betas),
            "must be two numbers in [0, 1)")
     _check(t.max_bad_steps >= 1, "train.max_bad_steps", t.max_bad_steps, "must be >= 1")
+    _check(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0")
 
     ck = c.checkpoint
     _check(ck.every_steps >= 0, "checkpoint.every_steps", ck.every_steps, "must be >= 0")
     _check(ck.keep_last >= 1, "checkpoint.keep_last", ck.keep_last, "must be >= 1")
+
+
+def _optional_at_least(key: str, value: Any, low: int) -> None:
+    if value is not None:
+        _check(value >= low, key, value, f"must be >= {low} (or null)")
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:

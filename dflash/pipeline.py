@@ -636,7 +636,7 @@ class Pipeline:
                     if not self.target_queue.put(_Envelope(seq, tokens, batch), self._stop):
                         return
                 seq += 1
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - SystemExit too: a thread must not vanish silently
             self._record_error("source", exc)
         finally:
             self.target_queue.close()
@@ -655,7 +655,7 @@ class Pipeline:
                 with self.target_stats.waiting():
                     if not self._put_in_order(_Envelope(env.seq, env.num_tokens, out)):
                         return
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001
             self._record_error("target", exc)
         finally:
             with self._lock:
@@ -689,7 +689,7 @@ class Pipeline:
                     return
                 if not self._drafter_step(env.payload, env.num_tokens):
                     return
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001
             self._record_error("drafter", exc)
         finally:
             self._stop.set()  # the drafter is the last stage: once it is gone, everything stops
@@ -700,7 +700,7 @@ class Pipeline:
         try:
             while not self._stop.wait(self._monitor_interval_s):
                 self._tick()
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001
             self._record_error("monitor", exc)
 
     def _sample(self) -> dict[str, float]:

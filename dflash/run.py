@@ -24,7 +24,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.config import ConfigError, resolve_target_layer_ids, validate
-from dflash.snapshot import StatusFile, write_config_snapshot, write_json, write_run_info, write_text_atomic
+from dflash.snapshot import (
+    StatusFile,
+    redact,
+    write_config_snapshot,
+    write_json,
+    write_run_info,
+    write_text_atomic,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +63,7 @@ def hydra_job_info() -> JobInfo:
     if is_multirun:  # name a sweep's job by what varies: its values of the swept keys
         swept = _swept_keys()
         own = [o for o in own if o.split("=", 1)[0].lstrip("+~") in swept] or own
-    job_name = default_job_name(own, run_dir)
+    job_name = default_job_name(redact(own), run_dir)  # the W&B run name: no secret from the command line
     choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}
     return JobInfo(run_dir, job_name, hc.sweep.dir if is_multirun else None, overrides, choices)
 
@@ -92,7 +99,8 @@ def main(cfg: DictConfig, info: JobInfo | None = None) -> float | None:
     status = StatusFile(run_dir)
     status.running()
     stop = threading.Event()
-    previous = _install_signal_handlers(stop)
+    previous = _install_signal_handlers(stop, lambda name: status.finish(
+        "interrupted", error=f"second {name}: exited at once, without a final checkpoint"))
     try:
         write_config_snapshot(run_dir, cfg)
         if cfg.resume:
@@ -123,15 +131,21 @@ def main(cfg: DictConfig, info: JobInfo | None = None) -> float | None:
             torch.cuda.reset_peak_memory_stats()
 
 
-def _install_signal_handlers(stop: threading.Event) -> dict:
+def _install_signal_handlers(stop: threading.Event, before_forced_exit=None) -> dict:
     """SIGTERM and SIGINT set the stop event; the pipeline winds down, checkpoints and reports `interrupted`.
-    A second signal falls back to the default behaviour (immediate exit)."""
+    A second signal falls back to the default behaviour (immediate exit), after `before_forced_exit()` (which
+    records the status: no cleanup runs after that)."""
     if threading.current_thread() is not threading.main_thread():
         return {}
     previous = {}
 
     def handler(signum, frame):
         if stop.is_set():
+            if before_forced_exit is not None:
+                try:
+                    before_forced_exit(signal.Signals(signum).name)
+                except Exception:  # noqa: BLE001 - the user asked to exit now
+                    pass
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
         log.warning("received %s: stopping after the current step", signal.Signals(signum).name)
@@ -195,7 +209,7 @@ def resume_config(cfg: DictConfig, info: JobInfo) -> DictConfig:
 
 def _record_resume(run_dir: Path, overrides: list[str]) -> None:
     """run.json describes how the run was started; each resume is appended to its `resumes` list."""
-    from dflash.snapshot import now_iso, redact, scrub_text
+    from dflash.snapshot import now_iso, scrub_text
 
     path = run_dir / "run.json"
     info = json.loads(path.read_text()) if path.exists() else {}
@@ -301,7 +315,9 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
 
     def checkpoint(trainer) -> Path:
         path = save_checkpoint(run_dir, drafter, trainer.state_dict(),
-                               {"wandb_run_id": callbacks.state().get("wandb_run_id"), "target": cfg.model.target},
+                               # a resumed job without W&B keeps the id for the next resume that has it
+                               {"wandb_run_id": callbacks.state().get("wandb_run_id") or wandb_run_id,
+                                "target": cfg.model.target},
                                cfg.checkpoint.keep_last)
         callbacks.on_checkpoint(trainer.step, str(path))
         return path
@@ -323,7 +339,7 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
 
     callbacks = build_callbacks(cfg, run_dir, total_steps)
     callbacks.on_run_start(RunInfo(
-        run_dir=run_dir, config=OmegaConf.to_container(cfg, resolve=True), max_steps=total_steps,
+        run_dir=run_dir, config=redact(OmegaConf.to_container(cfg, resolve=True)), max_steps=total_steps,
         job_name=info.job_name, sweep_dir=info.sweep_dir, experiment=cfg.experiment, wandb_run_id=wandb_run_id,
         start_step=trainer.step,
     ))
@@ -370,6 +386,9 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
             if (trainer.step > 0 and cfg.checkpoint.enabled and not _drafter_still_running(pipeline)
                     and (last is None or last.name != f"step_{trainer.step}")):
                 checkpoint(trainer)  # on every exit path: lose at most the current step
+        except BaseException:
+            status = "failed"  # e.g. a full disk: the callbacks below end as failed, not never
+            raise
         finally:
             if status != "completed":
                 callbacks.on_run_end("failed" if status == "failed" else status, summary)
@@ -383,13 +402,13 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
                 summary.update(done_before[1])
             else:
                 summary.update(run_eval(trainer.step, final=True))
+        summary.update({"step": trainer.step, "tokens": trainer.tokens,
+                        "wall_time_s": round(time.time() - t_start, 3), "status": status})
+        write_json(run_dir / "summary.json", summary)
     except BaseException:
         if status == "completed":  # an interrupted run has ended its callbacks already
             callbacks.on_run_end("failed", summary)
         raise
-    summary.update({"step": trainer.step, "tokens": trainer.tokens, "wall_time_s": round(time.time() - t_start, 3),
-                    "status": status})
-    write_json(run_dir / "summary.json", summary)
     if status == "completed":
         callbacks.on_run_end(status, summary)
     return {**summary, "_status": status, "_reason": reason}

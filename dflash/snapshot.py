@@ -23,11 +23,16 @@ from omegaconf import DictConfig, OmegaConf
 PACKAGES = ("torch", "transformers", "hydra-core", "omegaconf", "wandb", "safetensors", "tokenizers", "dflash")
 # keys whose values are secrets wherever they appear (config, argv, overrides)
 # (not "token" alone: max_new_tokens and mask_token_id are config, not secrets)
+# (a key may carry Hydra's +, ++ or ~ prefix: `+hf_token=...`)
 _SECRET_KEY = re.compile(
-    r"(api[_-]?key|secret|password|passwd|credential|(^|[_.-])(hf|auth|access|bearer|api|wandb|github|refresh)[_-]?token$)",
+    r"(api[_-]?key|secret|password|passwd|credential|"
+    r"(^[+~]*|[_.-])(hf|hf_hub|hub|huggingface|hugging_face_hub|auth|access|bearer|api|wandb|github|gh|refresh|"
+    r"session)[_-]?token$)",
     re.IGNORECASE,
 )
 REDACTED = "<redacted>"
+_UMASK = os.umask(0o022)  # read once at import (os.umask can only be read by setting it) ...
+os.umask(_UMASK)  # ... and put back
 
 
 def now_iso() -> str:
@@ -68,6 +73,7 @@ def write_text_atomic(path: Path, text: str) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; run files are for everyone the umask allows
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)
@@ -173,6 +179,7 @@ class StatusFile:
         write_json(self.path, {"status": "running", "start_time": self.start_time, "pid": os.getpid(), **extra})
 
     def finish(self, status: str, error: str | None = None, **extra: Any) -> None:
+        extra = {k: scrub_text(v) if isinstance(v, str) else v for k, v in extra.items()}  # e.g. the traceback
         write_json(self.path, {
             "status": status, "error": scrub_text(error) if error else None, "start_time": self.start_time,
             "end_time": now_iso(), "wall_time_s": round(time.time() - self.t0, 3), **extra,

@@ -23,7 +23,9 @@ still says `running` after Hydra ended it (killed, or crashed before writing its
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import fcntl
 import json
 import logging
 import os
@@ -105,6 +107,24 @@ def summarize_sweep(
     """
     root = Path(sweep_dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
+    # Parallel launchers (joblib) end jobs in several processes at once: the whole read-scan-write happens
+    # under one lock, so a slower writer cannot replace a newer view with an older one.
+    with _sweep_lock(root):
+        return _summarize_locked(root, metrics, hydra_status, finished)
+
+
+@contextlib.contextmanager
+def _sweep_lock(root: Path):
+    with open(root / ".sweep.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _summarize_locked(root: Path, metrics: Sequence[str], hydra_status: dict[str, str] | None,
+                      finished: bool) -> dict[str, Any]:
     out_path = root / SWEEP_FILE
     known = {**_read_previous(out_path), **(hydra_status or {})}
     runs = sweep_runs(root)

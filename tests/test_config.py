@@ -59,6 +59,16 @@ def test_published_shapes():
     ("logging.wandb.mode=sometimes", "logging.wandb.mode"),
     ("pipeline.mode=parallel", "pipeline.mode"),
     ("data.on_bad_record=ignore", "data.on_bad_record"),
+    # each of these used to fail only after the target had loaded (or at the final eval)
+    ("eval.prompt_lookup_ngram=0", "eval.prompt_lookup_ngram"),
+    ("eval.prompt_len=0", "eval.prompt_len"),
+    ("pipeline.queue_bytes=0", "pipeline.queue_bytes"),
+    ("pipeline.join_timeout_s=0", "pipeline.join_timeout_s"),
+    ("pipeline.threads_per_stage=0", "pipeline.threads_per_stage"),
+    ("train.weight_decay=-0.1", "train.weight_decay"),
+    ("model.num_target_features=0", "model.num_target_features"),
+    ("data.max_files=0", "data.max_files"),
+    ("model.draft_num_attention_heads=0", "model.draft_num_attention_heads"),
 ])
 def test_value_checks_name_the_key(override, key):
     cfg = _compose([override])
@@ -67,6 +77,12 @@ def test_value_checks_name_the_key(override, key):
         return
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         validate(cfg)
+
+
+def test_flex_attention_on_cpu_is_refused_before_loading():
+    with pytest.raises(ConfigError, match="model.attention.*flex needs a CUDA device"):
+        validate(_compose(["model.attention=flex", "model.device=cpu"]))
+    validate(_compose(["model.attention=flex", "model.device=auto"]))  # resolved on the machine that runs it
 
 
 def test_target_layer_ids_checked_against_target():

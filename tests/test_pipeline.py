@@ -477,3 +477,23 @@ def test_pipeline_runs_once():
     p.run()
     with pytest.raises(RuntimeError, match="runs once"):
         p.run()
+
+
+@pytest.mark.parametrize("stage,workers", [("target", 1), ("target", 2), ("drafter", 1)])
+def test_system_exit_in_a_stage_thread_is_a_stage_error(stage, workers):
+    """Not only Exception: a SystemExit in a thread used to end the run as "exhausted" (or hang with two
+    target workers) instead of failing it."""
+    def target_fn(batch):
+        if stage == "target" and batch.idx == 3:
+            raise SystemExit("bye from target")
+        return Item(batch.idx, torch.zeros(1))
+
+    def drafter_fn(item):
+        if stage == "drafter" and item.idx == 3:
+            raise SystemExit("bye from drafter")
+        return True
+
+    t0 = time.perf_counter()
+    with pytest.raises(StageError) as info:
+        make(batches(None), target_fn, drafter_fn, target_workers=workers).run()
+    assert info.value.stage == stage and time.perf_counter() - t0 < 10

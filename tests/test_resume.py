@@ -183,3 +183,17 @@ def test_resume_of_a_mistyped_path_creates_nothing(tmp_path, cache_dir):
     proc = launch([f"resume={tmp_path / 'nope'}"], cache_dir)
     assert proc.returncode != 0 and "not a run directory" in proc.stderr
     assert not (tmp_path / "nope").exists()
+
+
+def test_resume_path_with_tilde_is_expanded_before_hydra(tmp_path, monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("launch_module", REPO / "launch.py")
+    launch_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launch_module)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config_resolved.yaml").write_text("{}\n")
+    argv = launch_module._route_resume(["launch.py", "+resume=~/run", "train.max_steps=3"])
+    assert argv == ["launch.py", f"resume={tmp_path / 'run'}", "train.max_steps=3",
+                    f"hydra.run.dir={tmp_path / 'run'}", "hydra.output_subdir=.hydra/resume"]

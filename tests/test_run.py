@@ -188,3 +188,21 @@ def test_failing_export_still_ends_the_callbacks(tmp_path, cache_dir, tiny_targe
         main(cfg, JobInfo(tmp_path / "run"))
     assert json.loads((tmp_path / "run" / "status.json").read_text())["status"] == "failed"
     assert any("run failed at step 3/3" in r.getMessage() for r in caplog.records)
+
+
+def test_second_signal_records_the_status_before_the_forced_exit(monkeypatch):
+    """A second SIGTERM/SIGINT exits at once (no cleanup): status.json must say so first, not stay running."""
+    import threading
+
+    from dflash import run
+
+    installed, raised, recorded = {}, [], []
+    monkeypatch.setattr(run.signal, "signal", lambda sig, h: installed.setdefault(sig, h))  # keeps the first
+    monkeypatch.setattr(run.signal, "raise_signal", raised.append)
+    stop = threading.Event()
+    run._install_signal_handlers(stop, recorded.append)
+    handler = installed[signal.SIGTERM]
+    handler(signal.SIGTERM, None)
+    assert stop.is_set() and recorded == [] and raised == []  # first signal: a graceful stop
+    handler(signal.SIGTERM, None)
+    assert recorded == ["SIGTERM"] and raised == [signal.SIGTERM]

@@ -114,3 +114,20 @@ def test_joblib_launcher_runs_jobs_in_parallel_processes(tmp_path, cache_dir, ti
     summary = json.loads((sweep / "sweep.json").read_text())
     assert sorted(j["status"] for j in summary["jobs"]) == ["completed", "completed"]
     assert "JoblibLauncher" in (jobs[0] / ".hydra" / "hydra.yaml").read_text()
+
+
+def test_sweep_json_is_written_under_a_lock(tmp_path):
+    """Jobs of a parallel launcher end in several processes: each read-scan-write holds the sweep's lock."""
+    import threading
+    import time
+
+    from dflash.sweep import SWEEP_FILE, _sweep_lock, summarize_sweep
+
+    done = threading.Event()
+    with _sweep_lock(tmp_path):
+        t = threading.Thread(target=lambda: (summarize_sweep(tmp_path), done.set()))
+        t.start()
+        time.sleep(0.3)
+        assert not done.is_set() and not (tmp_path / SWEEP_FILE).exists()  # waits for the holder
+    t.join(10)
+    assert done.is_set() and (tmp_path / SWEEP_FILE).exists()
