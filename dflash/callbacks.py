@@ -437,6 +437,7 @@ class WandbCallback(Callback):
             self._disable(f"{problem}; {_FIX_HINT}")
             return
         kwargs = wandb_init_kwargs(self.cfg, info, self.run_dir)
+        run = None
         try:
             kwargs["settings"] = wandb.Settings(**kwargs["settings"])
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -444,6 +445,11 @@ class WandbCallback(Callback):
             run.define_metric("step")
             run.define_metric("*", step_metric="step")
         except Exception as e:  # wandb raises many types (UsageError, CommError, ValidationError, ...)
+            if run is not None:  # init worked, setting it up did not: do not leave that run open
+                try:
+                    run.finish(exit_code=1)
+                except Exception:  # noqa: BLE001
+                    pass
             self._disable(f"wandb.init failed ({type(e).__name__}: {e}); {_FIX_HINT}")
             return
         self.run = run

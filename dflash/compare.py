@@ -372,8 +372,12 @@ def sort_items(items: list, spec: Sequence[tuple[str, bool]], get: Callable[[Any
     for key, desc in reversed(spec):
         present = [x for x in out if _present(get(x, key))]
         absent = [x for x in out if not _present(get(x, key))]
-        present.sort(key=lambda x: _sort_value(get(x, key)), reverse=desc)
-        out = present + absent
+        # numbers before text in either direction (reversing one mixed list would put text first)
+        numbers = [x for x in present if _sort_value(get(x, key))[0] == 0]
+        texts = [x for x in present if _sort_value(get(x, key))[0] == 1]
+        numbers.sort(key=lambda x: _sort_value(get(x, key)), reverse=desc)
+        texts.sort(key=lambda x: _sort_value(get(x, key)), reverse=desc)
+        out = numbers + texts + absent
     return out
 
 

@@ -390,3 +390,11 @@ def test_eval_json_metrics_fill_in_without_summary(tmp_path: Path) -> None:
     (run / "eval.json").write_text(json.dumps({"step": 5, "metrics": {"eval/tau": 3.5}, "details": {}}))
     loaded = load_run(run)
     assert loaded.metrics["eval/tau"] == 3.5 and loaded.metrics["train/loss"] == 1.5
+
+
+def test_sort_keeps_numbers_before_text_in_both_directions() -> None:
+    from dflash.compare import sort_items
+
+    items = ["abc", 2, 1.0, None, "zz", float("nan")]
+    assert sort_items(items, [("k", True)], lambda x, k: x)[:4] == [2, 1.0, "zz", "abc"]
+    assert sort_items(items, [("k", False)], lambda x, k: x)[:4] == [1.0, 2, "abc", "zz"]
