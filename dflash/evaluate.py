@@ -604,6 +604,15 @@ def write_eval_json(path: str | Path, result: dict[str, Any], **extra: Any) -> P
     return path
 
 
+def read_eval_json(path: str | Path) -> dict[str, Any] | None:
+    """An eval.json as `write_eval_json` wrote it, or None when it is missing or unreadable."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("metrics"), dict) else None
+
+
 # ------------------------------------------------------------------------------------------------- CLI
 
 

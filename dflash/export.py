@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.config import ConfigError
 from dflash.drafter import DFlashDraftModel
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,6 @@ def build_drafter_config(target_config, model_cfg, target_layer_ids: list[int], 
         target_config.hidden_size // target_config.num_attention_heads)
     kv_heads = model_cfg.draft_num_key_value_heads or target_config.num_key_value_heads
     if heads % kv_heads:
-        from dflash.config import ConfigError
-
         raise ConfigError(
             f"model.draft_num_attention_heads={heads} is invalid with model.draft_num_key_value_heads={kv_heads} "
             "(null = the target's): the query heads must be a multiple of the key/value heads")

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from dflash.config import ConfigError, resolve_target_layer_ids, validate
 from dflash.snapshot import (
     StatusFile,
+    append_resume_info,
     redact,
     write_config_snapshot,
     write_json,
@@ -104,10 +105,10 @@ def main(cfg: DictConfig, info: JobInfo | None = None) -> float | None:
     try:
         write_config_snapshot(run_dir, cfg)
         if cfg.resume:
-            _record_resume(run_dir, info.overrides)
+            append_resume_info(run_dir, info.overrides)
         else:
             write_run_info(run_dir, info.overrides, info.choices)
-        validate(cfg)
+            validate(cfg)  # here, not above: a fresh run's bad config still leaves status.json = failed
         summary = train(cfg, run_dir, info, stop)
         final = summary.get("_status", "completed")
         status.finish(final, error=summary.get("_reason"))
@@ -158,11 +159,12 @@ def _install_signal_handlers(stop: threading.Event, before_forced_exit=None) -> 
 
 # Keys a resume may not change: the model (the checkpoint's weights fit only it), and the data stream (the
 # checkpoint's data position counts batches of this stream). Groups are refused by name too (`model=...`).
+_DATA_STREAM = "would change the data stream (the checkpoint's data position counts its batches) of"
 _FROZEN_ON_RESUME = {
     "model": "would change the model of",
-    "data": "would change the data stream (the checkpoint's data position counts its batches) of",
-    "train.batch_size": "would change the data stream (the checkpoint's data position counts its batches) of",
-    "train.seq_len": "would change the data stream (the checkpoint's data position counts its batches) of",
+    "data": _DATA_STREAM,
+    "train.batch_size": _DATA_STREAM,
+    "train.seq_len": _DATA_STREAM,
     "train.seed": "would change the data order and per-step randomness of",
 }
 
@@ -207,17 +209,6 @@ def resume_config(cfg: DictConfig, info: JobInfo) -> DictConfig:
     return merged
 
 
-def _record_resume(run_dir: Path, overrides: list[str]) -> None:
-    """run.json describes how the run was started; each resume is appended to its `resumes` list."""
-    from dflash.snapshot import now_iso, scrub_text
-
-    path = run_dir / "run.json"
-    info = json.loads(path.read_text()) if path.exists() else {}
-    entry = {"time": now_iso(), "argv": redact(list(sys.argv)), "overrides": redact(list(overrides))}
-    info.setdefault("resumes", []).append(json.loads(scrub_text(json.dumps(entry))))
-    write_json(path, info)
-
-
 def _mask_token_id(cfg, tokenizer, vocab_size: int) -> int:
     mid = cfg.model.mask_token_id
     if mid is None:
@@ -246,6 +237,7 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
     from dflash.callbacks import RunInfo, build_callbacks
     from dflash.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from dflash.data import build_batches, heldout_prompts, load_tokenizer, read_prompts_file
+    from dflash.evaluate import read_eval_json
     from dflash.drafter import DFlashDraftModel
     from dflash.export import build_drafter_config, export_drafter
     from dflash.pipeline import Pipeline
@@ -396,10 +388,10 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
     try:
         export_drafter(drafter, run_dir / "drafter", target=cfg.model.target)
         if status == "completed" and cfg.eval.final:
-            done_before = _final_eval_at(run_dir / "eval.json")
-            if done_before is not None and done_before[0] == trainer.step:  # resumed a completed run
+            done_before = read_eval_json(run_dir / "eval.json")
+            if done_before is not None and done_before.get("step") == trainer.step:  # resumed a completed run
                 log.info("final eval at step %d already in eval.json; not repeated", trainer.step)
-                summary.update(done_before[1])
+                summary.update({k: v for k, v in done_before["metrics"].items() if isinstance(v, (int, float))})
             else:
                 summary.update(run_eval(trainer.step, final=True))
         summary.update({"step": trainer.step, "tokens": trainer.tokens,
@@ -412,15 +404,6 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
     if status == "completed":
         callbacks.on_run_end(status, summary)
     return {**summary, "_status": status, "_reason": reason}
-
-
-def _final_eval_at(path: Path) -> tuple[int, dict] | None:
-    """(step, metrics) of an existing eval.json, or None."""
-    try:
-        data = json.loads(path.read_text())
-        return int(data["step"]), {k: v for k, v in data["metrics"].items() if isinstance(v, (int, float))}
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def _drafter_still_running(pipeline) -> bool:

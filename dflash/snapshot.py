@@ -162,9 +162,23 @@ def write_run_info(run_dir: Path, overrides: list[str], choices: dict, extra: di
         "start_time": now_iso(),
         **(extra or {}),
     }
-    info = json.loads(scrub_text(json.dumps(json_safe(info))))
+    info = _scrubbed(info)
     write_json(run_dir / "run.json", info)
     return info
+
+
+def append_resume_info(run_dir: Path, overrides: list[str]) -> None:
+    """run.json keeps how the run was started; each resume is appended to its `resumes` list."""
+    path = run_dir / "run.json"
+    info = json.loads(path.read_text()) if path.exists() else {}
+    entry = {"time": now_iso(), "argv": redact(list(sys.argv)), "overrides": redact(list(overrides))}
+    info.setdefault("resumes", []).append(_scrubbed(entry))
+    write_json(path, info)
+
+
+def _scrubbed(info: dict) -> dict:
+    """info without the values of secret environment variables anywhere in it."""
+    return json.loads(scrub_text(json.dumps(json_safe(info))))
 
 
 class StatusFile:

@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflash.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -18,8 +20,6 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        from dflash.config import ConfigError
-
         raise ConfigError(f"model.device={name!r} is invalid: torch sees no CUDA device here "
                           f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None}); use auto or cpu")
     return device

@@ -158,9 +158,8 @@ class DrafterTrainer:
         with torch.no_grad():
             noise_embedding = self.target.embed_tokens(blocks.input_ids).to(self.drafter.dtype)
         target_hidden = item.target_hidden.to(self.drafter.dtype)
-        if noise_std > 0:
-            target_hidden = add_feature_noise(target_hidden, noise_std,
-                                              generator=step_generator(cfg.train.seed, step, 1, target_hidden.device))
+        target_hidden = add_feature_noise(target_hidden, noise_std,
+                                          generator=step_generator(cfg.train.seed, step, 1, target_hidden.device))
         out = self.drafter(noise_embedding, target_hidden, blocks.position_ids, attention_mask=blocks.attention_mask)
         bsz, n = anchors.shape
         draft_hidden = out.view(bsz, n, B, -1)[:, :, 1:].reshape(bsz * n, B - 1, -1)  # slots 1..B-1

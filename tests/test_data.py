@@ -26,15 +26,10 @@ LAST_TURN_DIFFERS = (
 
 def _supervised_text(tokenizer, doc) -> list[str]:
     """The supervised spans, decoded."""
-    spans, cur = [], []
-    for tok, on in zip(doc.ids, doc.loss_mask):
-        if on:
-            cur.append(tok)
-        elif cur:
-            spans.append(tokenizer.decode(cur)), cur.clear()
-    if cur:
-        spans.append(tokenizer.decode(cur))
-    return spans
+    import itertools
+
+    runs = itertools.groupby(zip(doc.ids, doc.loss_mask), key=lambda pair: pair[1])
+    return [tokenizer.decode([tok for tok, _ in run]) for on, run in runs if on]
 
 
 def test_every_assistant_turn_is_supervised_with_a_consistent_template(tiny_tokenizer):
