@@ -22,6 +22,18 @@ class ConfigError(ValueError):
 
 
 # z-lab's per-block-size default for the position decay (paper App. A.1); other sizes interpolate.
+# Allowed values: the one home of each list. validate() checks against them; the modules that dispatch on
+# them and the CLIs import them from here.
+LOSS_NAMES = ("ce_decay", "kl", "kl_streak")
+SCHEDULE_NAMES = ("cosine", "constant", "wsd")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+ATTENTION_NAMES = ("auto", "sdpa", "flex")
+BUILD_KINDS = ("none", "tiny", "tiny_random")
+WANDB_MODES = ("online", "offline", "disabled")
+DATA_NAMES = ("stdlib", "jsonl")
+BAD_RECORD_POLICIES = ("fail", "skip")
+PIPELINE_MODES = ("async", "sync")
+
 DEFAULT_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
@@ -170,9 +182,15 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     max_bad_steps: int = 10
-    fail_at_step: int | None = None  # fault injection for tests: raise in the drafter stage at this step
-    fail_target_at_batch: int | None = None  # ... and in the target stage at this batch
-    crash_at_step: int | None = None  # ... SIGKILL the whole process after this step (a node crash)
+
+
+@dataclass
+class DebugConfig:
+    """Fault injection for tests and drills (`+debug=faults debug.fail_at_step=3`); all off by default."""
+
+    fail_at_step: int | None = None  # raise in the drafter stage at this step
+    fail_target_at_batch: int | None = None  # raise in the target stage at this batch
+    crash_at_step: int | None = None  # SIGKILL the whole process after this step (a node crash)
 
 
 @dataclass
@@ -199,6 +217,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     experiment: str | None = None
     resume: str | None = None  # a run directory to continue
 
@@ -227,9 +246,13 @@ def validate(cfg: DictConfig | Config) -> None:
     m = c.model
     _check(m.block_size >= 2, "model.block_size", m.block_size, "must be >= 2 (an anchor plus one drafted token)")
     _check(m.num_draft_layers >= 1, "model.num_draft_layers", m.num_draft_layers, "must be >= 1")
-    _one_of("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
-    _check(m.device == "auto" or m.device == "cpu" or m.device.startswith("cuda"), "model.device", m.device,
-           "must be auto, cpu, cuda or cuda:N")
+    _one_of("model.dtype", m.dtype, DTYPE_NAMES)
+    _check(
+        m.device == "auto" or m.device == "cpu" or m.device.startswith("cuda"),
+        "model.device",
+        m.device,
+        "must be auto, cpu, cuda or cuda:N",
+    )
     if m.target_layer_ids is not None:
         ids = list(m.target_layer_ids)
         _check(len(ids) >= 1, "model.target_layer_ids", ids, "must list at least one layer (or be null)")
@@ -237,60 +260,80 @@ def validate(cfg: DictConfig | Config) -> None:
         _check(all(i >= 0 for i in ids), "model.target_layer_ids", ids, "layer ids are >= 0")
     if m.mask_token_id is not None:
         _check(m.mask_token_id >= 0, "model.mask_token_id", m.mask_token_id, "must be >= 0")
-    _one_of("model.build.kind", m.build.kind, ("none", "tiny", "tiny_random"))
-    _one_of("model.attention", m.attention, ("auto", "sdpa", "flex"))
-    _check(not (m.attention == "flex" and m.device == "cpu"), "model.attention", m.attention,
-           "flex needs a CUDA device (FlexAttention has no CPU backward); use sdpa or auto with model.device=cpu")
+    _one_of("model.build.kind", m.build.kind, BUILD_KINDS)
+    _one_of("model.attention", m.attention, ATTENTION_NAMES)
+    _check(
+        not (m.attention == "flex" and m.device == "cpu"),
+        "model.attention",
+        m.attention,
+        "flex needs a CUDA device (FlexAttention has no CPU backward); use sdpa or auto with model.device=cpu",
+    )
     _optional_at_least("model.num_target_features", m.num_target_features, 1)
     for key in ("draft_num_attention_heads", "draft_num_key_value_heads", "draft_head_dim", "draft_intermediate_size"):
         _optional_at_least(f"model.{key}", getattr(m, key), 1)
 
     lo = c.loss
-    _one_of("loss.name", lo.name, ("ce_decay", "kl", "kl_streak"))
+    _one_of("loss.name", lo.name, LOSS_NAMES)
     if lo.decay_gamma is not None:
         _check(lo.decay_gamma > 0, "loss.decay_gamma", lo.decay_gamma, "must be > 0 (or null for the paper default)")
-    _check(lo.kl_temperature > 0 and math.isfinite(lo.kl_temperature), "loss.kl_temperature", lo.kl_temperature,
-           "must be > 0")
+    _check(
+        lo.kl_temperature > 0 and math.isfinite(lo.kl_temperature),
+        "loss.kl_temperature",
+        lo.kl_temperature,
+        "must be > 0",
+    )
     _check(0.0 <= lo.kl_weight <= 1.0, "loss.kl_weight", lo.kl_weight, "must be in [0, 1]")
     _check(0.0 <= lo.streak_alpha <= 1.0, "loss.streak_alpha", lo.streak_alpha, "must be in [0, 1] (0 = decay only)")
     _check(lo.chunk_size >= 1, "loss.chunk_size", lo.chunk_size, "must be >= 1")
 
     s = c.schedule
-    _one_of("schedule.name", s.name, ("cosine", "constant", "wsd"))
+    _one_of("schedule.name", s.name, SCHEDULE_NAMES)
     _check(s.lr > 0, "schedule.lr", s.lr, "must be > 0")
     _check(0.0 <= s.warmup_ratio < 1.0, "schedule.warmup_ratio", s.warmup_ratio, "must be in [0, 1)")
     _check(0.0 <= s.min_lr_ratio <= 1.0, "schedule.min_lr_ratio", s.min_lr_ratio, "must be in [0, 1]")
     _check(0.0 <= s.decay_ratio <= 1.0, "schedule.decay_ratio", s.decay_ratio, "must be in [0, 1]")
     _check(s.noise_start >= 0, "schedule.noise_start", s.noise_start, "must be >= 0")
     _check(s.noise_end >= 0, "schedule.noise_end", s.noise_end, "must be >= 0")
-    _check(s.noise_end <= s.noise_start, "schedule.noise_end", s.noise_end,
-           f"must be <= schedule.noise_start ({s.noise_start}): the noise anneals down")
+    _check(
+        s.noise_end <= s.noise_start,
+        "schedule.noise_end",
+        s.noise_end,
+        f"must be <= schedule.noise_start ({s.noise_start}): the noise anneals down",
+    )
 
     lg = c.logging
-    _one_of("logging.wandb.mode", lg.wandb.mode, ("online", "offline", "disabled"))
+    _one_of("logging.wandb.mode", lg.wandb.mode, WANDB_MODES)
     _check(lg.log_every_s > 0, "logging.log_every_s", lg.log_every_s, "must be > 0")
 
     d = c.data
-    _one_of("data.name", d.name, ("stdlib", "jsonl"))
-    _one_of("data.on_bad_record", d.on_bad_record, ("fail", "skip"))
+    _one_of("data.name", d.name, DATA_NAMES)
+    _one_of("data.on_bad_record", d.on_bad_record, BAD_RECORD_POLICIES)
     if d.name == "jsonl":
         _check(bool(d.path), "data.path", d.path, "data=jsonl needs data.path (a .jsonl file or a directory of them)")
     _check(0.0 < d.holdout_fraction < 1.0, "data.holdout_fraction", d.holdout_fraction, "must be in (0, 1)")
     _optional_at_least("data.max_files", d.max_files, 1)
     r = d.regenerate
     if r.enabled:
-        _check(d.name == "stdlib", "data.regenerate.enabled", r.enabled,
-               "regeneration is built in for data=stdlib; regenerate chat data offline and use data=jsonl")
+        _check(
+            d.name == "stdlib",
+            "data.regenerate.enabled",
+            r.enabled,
+            "regeneration is built in for data=stdlib; regenerate chat data offline and use data=jsonl",
+        )
         for key in ("num_prompts", "prompt_len", "max_new_tokens", "batch_size"):
             _check(getattr(r, key) >= 1, f"data.regenerate.{key}", getattr(r, key), "must be >= 1")
         _check(r.temperature >= 0, "data.regenerate.temperature", r.temperature, "must be >= 0 (0 = greedy)")
 
     p = c.pipeline
-    _one_of("pipeline.mode", p.mode, ("async", "sync"))
+    _one_of("pipeline.mode", p.mode, PIPELINE_MODES)
     _check(p.queue_size >= 1, "pipeline.queue_size", p.queue_size, "must be >= 1")
     _check(p.target_workers >= 1, "pipeline.target_workers", p.target_workers, "must be >= 1")
-    _check(p.drafter_workers == 1, "pipeline.drafter_workers", p.drafter_workers,
-           "only 1 is supported on one process (more drafter ranks come with torchrun)")
+    _check(
+        p.drafter_workers == 1,
+        "pipeline.drafter_workers",
+        p.drafter_workers,
+        "only 1 is supported on one process (more drafter ranks come with torchrun)",
+    )
     _check(p.monitor_interval_s > 0, "pipeline.monitor_interval_s", p.monitor_interval_s, "must be > 0")
     _check(p.join_timeout_s > 0, "pipeline.join_timeout_s", p.join_timeout_s, "must be > 0")
     _optional_at_least("pipeline.queue_bytes", p.queue_bytes, 1)
@@ -309,12 +352,20 @@ def validate(cfg: DictConfig | Config) -> None:
     if t.max_tokens is not None:
         _check(t.max_tokens >= 1, "train.max_tokens", t.max_tokens, "must be >= 1 (or null)")
     _check(t.batch_size >= 1, "train.batch_size", t.batch_size, "must be >= 1")
-    _check(t.seq_len >= 2 * m.block_size, "train.seq_len", t.seq_len,
-           f"must be >= 2 * model.block_size ({2 * m.block_size})")
+    _check(
+        t.seq_len >= 2 * m.block_size,
+        "train.seq_len",
+        t.seq_len,
+        f"must be >= 2 * model.block_size ({2 * m.block_size})",
+    )
     _check(t.num_anchors >= 1, "train.num_anchors", t.num_anchors, "must be >= 1")
     _check(t.grad_clip > 0, "train.grad_clip", t.grad_clip, "must be > 0")
-    _check(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", list(t.betas),
-           "must be two numbers in [0, 1)")
+    _check(
+        len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas),
+        "train.betas",
+        list(t.betas),
+        "must be two numbers in [0, 1)",
+    )
     _check(t.max_bad_steps >= 1, "train.max_bad_steps", t.max_bad_steps, "must be >= 1")
     _check(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0")
 
@@ -356,11 +407,12 @@ def resolve_target_layer_ids(model_cfg: Any, num_target_layers: int) -> list[int
     bad = [i for i in ids if not 0 <= i < num_target_layers]
     if bad:
         raise ConfigError(
-            f"model.target_layer_ids={ids} is invalid: ids {bad} are outside the target's layers 0..{num_target_layers - 1}"
+            f"model.target_layer_ids={ids} is invalid: ids {bad} are outside the target's layers "
+            f"0..{num_target_layers - 1}"
         )
     return ids
 
 
 def to_container(cfg: DictConfig) -> dict:
-    """The resolved config as plain Python (what snapshots and W&B receive)."""
+    """The resolved config as plain Python (what config_resolved.yaml and W&B receive)."""
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)

@@ -31,7 +31,7 @@ def tiny_target(cache_dir) -> Path:
     from omegaconf import OmegaConf
 
     from dflash.config import TinyBuildConfig
-    from dflash.tiny import ensure_target
+    from dflash.tools.tiny import ensure_target
 
     spec = OmegaConf.load(REPO / "conf/model/tiny_random.yaml")
     build = TinyBuildConfig(**OmegaConf.to_container(spec.build))
@@ -53,13 +53,21 @@ def tiny_tokenizer(tiny_target):
     return AutoTokenizer.from_pretrained(tiny_target)
 
 
-def launch(args: list[str], cache_dir: Path, timeout: float = 300, env: dict | None = None,
-           check: bool = False) -> subprocess.CompletedProcess:
+def launch(
+    args: list[str], cache_dir: Path, timeout: float = 300, env: dict | None = None, check: bool = False
+) -> subprocess.CompletedProcess:
     """Run `python launch.py ARGS` from the repo root with the session's target cache."""
-    full_env = {**os.environ, "DFLASH_CACHE_DIR": str(cache_dir), "WANDB_MODE": "disabled",
-                "HYDRA_FULL_ERROR": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run([sys.executable, "launch.py", *args], cwd=REPO, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+    full_env = {
+        **os.environ,
+        "DFLASH_CACHE_DIR": str(cache_dir),
+        "WANDB_MODE": "disabled",
+        "HYDRA_FULL_ERROR": "1",
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
+    proc = subprocess.run(
+        [sys.executable, "launch.py", *args], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"launch.py {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc

@@ -15,32 +15,52 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
+from wandb_offline import read_offline_run
 
-from dflash.callbacks import (Callback, CallbackList, ConsoleCallback, JsonlCallback, RunInfo, WandbCallback,
-                              build_callbacks, default_job_name, wandb_credentials_problem,
-                              wandb_init_kwargs)
 from dflash.config import Config, WandbConfig
-from dflash.snapshot import json_safe
-from dflash.wandb_offline import read_offline_run
+from dflash.jsonio import json_safe
+from dflash.tracking import build_callbacks
+from dflash.tracking.base import Callback, CallbackList, RunInfo, default_job_name
+from dflash.tracking.console import ConsoleCallback
+from dflash.tracking.jsonl import JsonlCallback
+from dflash.tracking.wandb_logger import (
+    WandbCallback,
+    wandb_credentials_problem,
+    wandb_init_kwargs,
+)
 
 
 def _info(tmp_path: Path, **kw) -> RunInfo:
-    base = dict(run_dir=tmp_path, config={"loss": {"kl_temperature": 2.0, "streak_alpha": 0.5}}, max_steps=10,
-                job_name="loss.kl_temperature=2", sweep_dir=None, experiment=None)
+    base = dict(
+        run_dir=tmp_path,
+        config={"loss": {"kl_temperature": 2.0, "streak_alpha": 0.5}},
+        max_steps=10,
+        job_name="loss.kl_temperature=2",
+        sweep_dir=None,
+        experiment=None,
+    )
     base.update(kw)
     return RunInfo(**base)
 
 
 def _tick(step: int) -> dict:
     # Values chosen so each key differs per step: the last line must be the last tick, not any tick.
-    return {"step": step, "tokens": 1000 * step, "time_s": 0.5 * step, "train/loss": 3.0 / step,
-            "train/avg_streak": 0.25 * step, "perf/ktok_s": 10.0 + step, "perf/target_queue_depth": step % 3,
-            "perf/hs_queue_depth": 1}
+    return {
+        "step": step,
+        "tokens": 1000 * step,
+        "time_s": 0.5 * step,
+        "train/loss": 3.0 / step,
+        "train/avg_streak": 0.25 * step,
+        "perf/ktok_s": 10.0 + step,
+        "perf/target_queue_depth": step % 3,
+        "perf/hs_queue_depth": 1,
+    }
 
 
 def _strict_loads(line: str) -> dict:
     def reject(name: str):
         raise ValueError(f"non-standard JSON constant {name}")
+
     return json.loads(line, parse_constant=reject)
 
 
@@ -50,14 +70,28 @@ def _strict_loads(line: str) -> dict:
 def test_jsonl_lines_are_flushed_and_converted(tmp_path):
     cb = JsonlCallback(tmp_path)
     cb.on_run_start(_info(tmp_path))
-    cb.on_metrics({"step": 1, "tokens": 64, "time_s": 0.5, "train/loss": torch.tensor(2.5),
-                   "perf/ktok_s": np.float32(1.5), "train/acc_pos_1": np.float64(0.25)})
+    cb.on_metrics(
+        {
+            "step": 1,
+            "tokens": 64,
+            "time_s": 0.5,
+            "train/loss": torch.tensor(2.5),
+            "perf/ktok_s": np.float32(1.5),
+            "train/acc_pos_1": np.float64(0.25),
+        }
+    )
     # read while the callback still holds the file open: the line must already be on disk
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 1
     rec = _strict_loads(lines[0])
-    assert rec == {"step": 1, "tokens": 64, "time_s": 0.5, "train/loss": 2.5, "perf/ktok_s": 1.5,
-                   "train/acc_pos_1": 0.25}
+    assert rec == {
+        "step": 1,
+        "tokens": 64,
+        "time_s": 0.5,
+        "train/loss": 2.5,
+        "perf/ktok_s": 1.5,
+        "train/acc_pos_1": 0.25,
+    }
     assert isinstance(rec["step"], int)
 
     cb.on_eval({"step": 1, "eval/tau": torch.tensor(3.25), "eval/tau_baseline": 1.5})
@@ -76,17 +110,22 @@ def test_jsonl_lines_are_flushed_and_converted(tmp_path):
 
 def test_jsonl_non_finite_values_become_null(tmp_path):
     cb = JsonlCallback(tmp_path)
-    cb.on_metrics({"step": 3, "train/loss": float("nan"), "train/grad_norm": torch.tensor(float("inf")),
-                   "perf/ktok_s": np.float64("-inf"), "train/accuracy": 0.5})
+    cb.on_metrics(
+        {
+            "step": 3,
+            "train/loss": float("nan"),
+            "train/grad_norm": torch.tensor(float("inf")),
+            "perf/ktok_s": np.float64("-inf"),
+            "train/accuracy": 0.5,
+        }
+    )
     cb.on_run_end("failed", {})
     rec = _strict_loads((tmp_path / "metrics.jsonl").read_text().strip())
-    assert rec == {"step": 3, "train/loss": None, "train/grad_norm": None, "perf/ktok_s": None,
-                   "train/accuracy": 0.5}
+    assert rec == {"step": 3, "train/loss": None, "train/grad_norm": None, "perf/ktok_s": None, "train/accuracy": 0.5}
 
 
 def test_json_safe_nested():
-    assert json_safe({"a": [1.0, float("nan")], "b": torch.tensor([1.0, 2.0])}) == {"a": [1.0, None],
-                                                                                  "b": [1.0, 2.0]}
+    assert json_safe({"a": [1.0, float("nan")], "b": torch.tensor([1.0, 2.0])}) == {"a": [1.0, None], "b": [1.0, 2.0]}
 
 
 # ------------------------------------------------------------------------------------------- fan-out
@@ -127,10 +166,16 @@ def test_callback_list_fans_out_in_order(tmp_path):
     cbs.on_checkpoint(7, "ckpt/step_7")
     cbs.on_run_end("completed", {})
     assert events == [
-        ("a", "start", "loss.kl_temperature=2"), ("b", "start", "loss.kl_temperature=2"),
-        ("a", "metrics", 7), ("b", "metrics", 7), ("a", "eval", 2.0), ("b", "eval", 2.0),
-        ("a", "ckpt", 7, "ckpt/step_7"), ("b", "ckpt", 7, "ckpt/step_7"),
-        ("a", "end", "completed"), ("b", "end", "completed"),
+        ("a", "start", "loss.kl_temperature=2"),
+        ("b", "start", "loss.kl_temperature=2"),
+        ("a", "metrics", 7),
+        ("b", "metrics", 7),
+        ("a", "eval", 2.0),
+        ("b", "eval", 2.0),
+        ("a", "ckpt", 7, "ckpt/step_7"),
+        ("b", "ckpt", 7, "ckpt/step_7"),
+        ("a", "end", "completed"),
+        ("b", "end", "completed"),
     ]
     assert cbs.state() == {"a_seen": 10, "b_seen": 10}
 
@@ -159,7 +204,7 @@ class FakeClock:
 def test_console_non_tty_logs_at_most_every_interval(tmp_path, caplog):
     clock = FakeClock()
     cb = ConsoleCallback(max_steps=10, log_every_s=5.0, stream=io.StringIO(), is_tty=False, clock=clock)
-    caplog.set_level(logging.INFO, logger="dflash.callbacks")
+    caplog.set_level(logging.INFO, logger="dflash.tracking")
     cb.on_run_start(_info(tmp_path, max_steps=10))
     for step, t in [(1, 101.0), (2, 102.0), (3, 104.0), (4, 106.5), (5, 108.0)]:
         clock.t = t
@@ -169,8 +214,9 @@ def test_console_non_tty_logs_at_most_every_interval(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     assert len(lines) == 2
     # step 4 at t=106.5, started at t=100: 6.5 s for 4 steps -> 6 steps left take 9.75 s -> eta 0:00:10
-    assert lines[1] == ("step 4/10 (40%) | loss 0.7500 | streak 1.00 | 14.0 ktok/s | queues target 1 hs 1"
-                        " | eta 0:00:10")
+    assert lines[1] == (
+        "step 4/10 (40%) | loss 0.7500 | streak 1.00 | 14.0 ktok/s | queues target 1 hs 1 | eta 0:00:10"
+    )
     clock.t = 109.0
     cb.on_run_end("completed", {})
     assert cb.refreshes == 3  # the final state is always shown
@@ -196,8 +242,10 @@ def test_console_tty_draws_rich_bar_and_closes(tmp_path, monkeypatch):
 
 
 def test_default_job_name():
-    assert default_job_name(["loss.kl_temperature=2", "hydra.run.dir=/x", "+train.seed=1"], "/o/d/t") == \
-        "loss.kl_temperature=2,+train.seed=1"
+    assert (
+        default_job_name(["loss.kl_temperature=2", "hydra.run.dir=/x", "+train.seed=1"], "/o/d/t")
+        == "loss.kl_temperature=2,+train.seed=1"
+    )
     assert default_job_name([], "/outputs/2026-01-01/12-00-00-000001") == "12-00-00-000001"
 
 
@@ -209,8 +257,9 @@ def test_wandb_init_kwargs_defaults_and_env(tmp_path):
     assert kw["settings"] == {"x_stats_sampling_interval": 3.0} and kw["dir"] == str(tmp_path)
     assert "entity" not in kw and "tags" not in kw and "id" not in kw and "resume" not in kw
 
-    sweep = _info(tmp_path, sweep_dir="outputs/multirun/2026-12-02/12-34-56-000001", experiment="smoke",
-                  wandb_run_id="abc123")
+    sweep = _info(
+        tmp_path, sweep_dir="outputs/multirun/2026-12-02/12-34-56-000001", experiment="smoke", wandb_run_id="abc123"
+    )
     kw = wandb_init_kwargs(cfg, sweep, tmp_path, environ={})
     assert kw["group"] == "2026-12-02_12-34-56-000001"
     assert kw["id"] == "abc123" and kw["resume"] == "allow"
@@ -250,8 +299,9 @@ def test_wandb_offline_run_matches_jsonl(tmp_path, monkeypatch):
     for var in ("WANDB_NAME", "WANDB_RUN_GROUP", "WANDB_MODE", "WANDB_RUN_ID", "WANDB_TAGS", "WANDB_DIR"):
         monkeypatch.delenv(var, raising=False)
     run_dir = tmp_path / "run"
-    cbs = CallbackList([JsonlCallback(run_dir), WandbCallback(WandbConfig(mode="offline", stats_interval_s=5.0),
-                                                              run_dir)])
+    cbs = CallbackList(
+        [JsonlCallback(run_dir), WandbCallback(WandbConfig(mode="offline", stats_interval_s=5.0), run_dir)]
+    )
     wb = cbs.callbacks[1]
     cbs.on_run_start(_info(run_dir, experiment="smoke"))
     assert wb.run_id and cbs.state() == {"wandb_run_id": wb.run_id}
@@ -411,7 +461,7 @@ def test_wandb_resumed_run_skips_steps_it_already_has(tmp_path, monkeypatch):
     run.summary.update({"step": 7, "eval/tau_best": 3.5})
     _fake_wandb(monkeypatch, run)
     cb = WandbCallback(WandbConfig(mode="online"), tmp_path)
-    monkeypatch.setattr("dflash.callbacks.wandb_credentials_problem", lambda: None)
+    monkeypatch.setattr("dflash.tracking.wandb_logger.wandb_credentials_problem", lambda: None)
     cb.on_run_start(_info(tmp_path, wandb_run_id="fake123"))
     for step in (6, 7, 8, 9):
         cb.on_metrics(_tick(step))

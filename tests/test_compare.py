@@ -17,18 +17,11 @@ import yaml
 from hydra.core.utils import JobStatus
 from omegaconf import OmegaConf
 
-from dflash import compare
-from dflash.compare import (
-    compare_table,
-    diff_table,
-    find_runs,
-    group_runs,
-    group_table,
-    load_run,
-    main,
-    render,
-)
-from dflash.sweep import SWEEP_FILE, SweepSummaryCallback
+from dflash import rundir
+from dflash.rundir import find_runs, load_run
+from dflash.tools.compare import compare_table, diff_table, group_runs, group_table
+from dflash.tools.compare_cli import main, render
+from dflash.tools.sweep import SWEEP_FILE, SweepSummaryCallback
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,8 +60,9 @@ def write_run(
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config_resolved.yaml").write_text(yaml.safe_dump(config))
     (run_dir / "run.json").write_text(json.dumps({"argv": ["launch.py"], "overrides": [], "choices": {}}))
-    (run_dir / "status.json").write_text(json.dumps(
-        {"status": status, "error": error, "start_time": 0, "end_time": None, "wall_time_s": wall_time_s}))
+    (run_dir / "status.json").write_text(
+        json.dumps({"status": status, "error": error, "start_time": 0, "end_time": None, "wall_time_s": wall_time_s})
+    )
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     if summary is not None:
         (run_dir / "summary.json").write_text(json.dumps(summary))
@@ -105,8 +99,15 @@ def test_table_shows_varying_keys_and_one_row_per_run(sweep_dir: Path) -> None:
     assert columns[:2] == ["loss.kl_temperature", "loss.streak_alpha"]
     # constant keys and values naming the run's own dir are hidden
     assert "model.block_size" not in columns and "paths.output_dir" not in columns
-    assert columns[2:] == ["eval/tau", "train/avg_streak", "train/loss", "perf/ktok_s", "status", "wall_time_s",
-                           "run_dir"]
+    assert columns[2:] == [
+        "eval/tau",
+        "train/avg_streak",
+        "train/loss",
+        "perf/ktok_s",
+        "status",
+        "wall_time_s",
+        "run_dir",
+    ]
     by_job = {Path(r[-1]).name: dict(zip(columns, r)) for r in rows}
     assert [by_job[str(j)]["loss.kl_temperature"] for j in range(4)] == [1.0, 1.0, 2.0, 2.0]
     assert by_job["0"]["train/loss"] == 1.50  # summary.json, not the last metrics.jsonl line (2.5)
@@ -125,8 +126,13 @@ def test_failed_run_is_listed_with_blank_metrics(sweep_dir: Path) -> None:
 
 
 def test_running_run_without_summary_and_with_torn_last_line(tmp_path: Path) -> None:
-    d = write_run(tmp_path / "r", base_config(tmp_path / "r"),
-                  [{"step": 5, "time_s": 4.0, "train/loss": 2.0}], status="running", wall_time_s=None)
+    d = write_run(
+        tmp_path / "r",
+        base_config(tmp_path / "r"),
+        [{"step": 5, "time_s": 4.0, "train/loss": 2.0}],
+        status="running",
+        wall_time_s=None,
+    )
     with (d / "metrics.jsonl").open("a") as f:
         f.write('{"step": 6, "train/lo')  # writer killed mid-line
     run = load_run(d)
@@ -207,8 +213,9 @@ def seeds_dir(tmp_path: Path) -> Path:
 
 
 def test_group_by_seed_gives_mean_and_sample_std(seeds_dir: Path, capsys: pytest.CaptureFixture) -> None:
-    recs = json.loads(_cli(capsys, str(seeds_dir), "--format", "json", "--metrics", "eval/tau,train/loss",
-                           "--group-by"))
+    recs = json.loads(
+        _cli(capsys, str(seeds_dir), "--format", "json", "--metrics", "eval/tau,train/loss", "--group-by")
+    )
     assert len(recs) == 2
     a, b = sorted(recs, key=lambda r: r["loss.kl_temperature"])
     assert a["n"] == 3 and a["train.seed"] == "0,1,2"
@@ -266,8 +273,12 @@ def test_no_runs_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
 
 
 def test_flatten() -> None:
-    assert compare.flatten({"a": {"b": 1, "c": [1, 2], "d": {}}, "e": None}) == {
-        "a.b": 1, "a.c": [1, 2], "a.d": {}, "e": None}
+    assert rundir.flatten({"a": {"b": 1, "c": [1, 2], "d": {}}, "e": None}) == {
+        "a.b": 1,
+        "a.c": [1, 2],
+        "a.d": {},
+        "e": None,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -306,7 +317,7 @@ def test_callback_writes_sweep_json_after_each_job(sweep_dir: Path, caplog: pyte
     assert jobs[2]["config"] == {"loss.kl_temperature": 2.0, "loss.streak_alpha": 0.0}
     assert jobs[0]["run_dir"] == "0" and "status_stale" not in jobs[0]
 
-    with caplog.at_level("INFO", logger="dflash.sweep"):
+    with caplog.at_level("INFO", logger="dflash.tools.sweep"):
         cb.on_multirun_end(_job_cfg(sweep_dir, None))
     assert json.loads((sweep_dir / SWEEP_FILE).read_text())["finished"] is True
     assert "loss.streak_alpha" in caplog.text and "failed" in caplog.text
@@ -314,8 +325,9 @@ def test_callback_writes_sweep_json_after_each_job(sweep_dir: Path, caplog: pyte
 
 def test_callback_marks_killed_and_unsnapshotted_jobs(sweep_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     # job 4: status.json still "running" though Hydra ended it; job 5: failed before writing any of our files
-    write_run(sweep_dir / "4", base_config(sweep_dir / "4"), [{"step": 1, "time_s": 1.0}], status="running",
-              wall_time_s=None)
+    write_run(
+        sweep_dir / "4", base_config(sweep_dir / "4"), [{"step": 1, "time_s": 1.0}], status="running", wall_time_s=None
+    )
     (sweep_dir / "5" / ".hydra").mkdir(parents=True)
     cb = SweepSummaryCallback(metrics=["eval/tau"])
     cb.on_job_end(_job_cfg(sweep_dir, 4), _ret(JobStatus.FAILED))
@@ -324,22 +336,23 @@ def test_callback_marks_killed_and_unsnapshotted_jobs(sweep_dir: Path, caplog: p
     assert jobs[4]["status"] == "running" and jobs[4]["status_stale"] is True
     assert jobs[5]["status"] == "failed" and jobs[5]["config"]["loss.kl_temperature"] is None
     assert jobs[2]["hydra_status"] is None and jobs[2]["status"] == "completed"  # not seen by this callback
-    with caplog.at_level("WARNING", logger="dflash.sweep"):
+    with caplog.at_level("WARNING", logger="dflash.tools.sweep"):
         cb.on_multirun_end(_job_cfg(sweep_dir, None))
     assert "still says running" in caplog.text
 
 
 def test_callback_ignores_single_runs(tmp_path: Path) -> None:
     run_dir = write_run(tmp_path / "single", base_config(tmp_path / "single"), [])
-    cfg = OmegaConf.create({"hydra": {"mode": "RUN", "sweep": {"dir": str(tmp_path / "sw")},
-                                      "runtime": {"output_dir": str(run_dir)}}})
+    cfg = OmegaConf.create(
+        {"hydra": {"mode": "RUN", "sweep": {"dir": str(tmp_path / "sw")}, "runtime": {"output_dir": str(run_dir)}}}
+    )
     cb = SweepSummaryCallback()
     cb.on_run_end(cfg)
     cb.on_job_end(cfg, _ret(JobStatus.COMPLETED))
     assert not (tmp_path / "sw").exists() and not (run_dir / SWEEP_FILE).exists()
 
 
-APP = '''
+APP = """
 import json, os, hydra
 from hydra.core.hydra_config import HydraConfig
 
@@ -360,7 +373,7 @@ def main(cfg):
 
 if __name__ == "__main__":
     main()
-'''
+"""
 
 
 def test_real_hydra_multirun_with_a_failed_job(tmp_path: Path) -> None:
@@ -369,15 +382,28 @@ def test_real_hydra_multirun_with_a_failed_job(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(
-        [sys.executable, "app.py", "-m", "+alpha=0.0,0.5,1.0", f"hydra.sweep.dir={sweep}",
-         "+hydra.callbacks.sweep_summary._target_=dflash.sweep.SweepSummaryCallback"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "app.py",
+            "-m",
+            "+alpha=0.0,0.5,1.0",
+            f"hydra.sweep.dir={sweep}",
+            "+hydra.callbacks.sweep_summary._target_=dflash.tools.sweep.SweepSummaryCallback",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode != 0, proc.stderr  # Hydra re-raises the failed job after the batch
     data = json.loads((sweep / SWEEP_FILE).read_text())
     assert data["finished"] is False  # written by on_job_end; on_multirun_end never ran
     assert [(j["job_num"], j["status"], j["hydra_status"]) for j in data["jobs"]] == [
-        (0, "completed", "COMPLETED"), (1, "failed", "FAILED"), (2, "completed", "COMPLETED")]
+        (0, "completed", "COMPLETED"),
+        (1, "failed", "FAILED"),
+        (2, "completed", "COMPLETED"),
+    ]
     assert [j["metrics"]["eval/tau"] for j in data["jobs"]] == [1.0, None, 2.0]
 
 
@@ -393,7 +419,7 @@ def test_eval_json_metrics_fill_in_without_summary(tmp_path: Path) -> None:
 
 
 def test_sort_keeps_numbers_before_text_in_both_directions() -> None:
-    from dflash.compare import sort_items
+    from dflash.tools.compare import sort_items
 
     items = ["abc", 2, 1.0, None, "zz", float("nan")]
     assert sort_items(items, [("k", True)], lambda x, k: x)[:4] == [2, 1.0, "zz", "abc"]

@@ -7,12 +7,16 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import REPO, launch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from dflash.config import ConfigError, register_configs, resolve_target_layer_ids, validate
-
-from conftest import REPO, launch
+from dflash.config import (
+    ConfigError,
+    register_configs,
+    resolve_target_layer_ids,
+    validate,
+)
 
 CONF = REPO / "conf"
 register_configs()
@@ -31,13 +35,14 @@ def _group_options():
 
 @pytest.mark.parametrize("group,option", list(_group_options()))
 def test_every_config_file_composes_and_validates(group, option):
-    overrides = [f"{group}={option}"]
+    # debug is not in the defaults list: its options are appended (`+debug=faults`), as users do
+    overrides = [f"+{group}={option}" if group == "debug" else f"{group}={option}"]
     if (group == "data" and option == "jsonl") or option == "paper_qwen3_8b":
         overrides.append("data.path=/some/data.jsonl")
     cfg = _compose(overrides)
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
     validate(cfg)
-    if group != "experiment":
+    if group not in ("experiment", "debug"):
         assert cfg[group].name == option
 
 
@@ -49,27 +54,30 @@ def test_published_shapes():
     assert cfg.model.mask_token_id == 248070 and resolve_target_layer_ids(cfg.model, 64) == [1, 16, 31, 46, 61]
 
 
-@pytest.mark.parametrize("override,key", [
-    ("model.block_size=1", "model.block_size"),
-    ("loss.kl_temperature=0", "loss.kl_temperature"),
-    ("loss.streak_alpha=-0.5", "loss.streak_alpha"),
-    ("schedule.noise_start=0.1", None),  # noise_end 0 <= 0.1 is fine
-    ("schedule.noise_end=0.5", "schedule.noise_end"),  # end above start (0)
-    ("train.seq_len=8", "train.seq_len"),
-    ("logging.wandb.mode=sometimes", "logging.wandb.mode"),
-    ("pipeline.mode=parallel", "pipeline.mode"),
-    ("data.on_bad_record=ignore", "data.on_bad_record"),
-    # each of these used to fail only after the target had loaded (or at the final eval)
-    ("eval.prompt_lookup_ngram=0", "eval.prompt_lookup_ngram"),
-    ("eval.prompt_len=0", "eval.prompt_len"),
-    ("pipeline.queue_bytes=0", "pipeline.queue_bytes"),
-    ("pipeline.join_timeout_s=0", "pipeline.join_timeout_s"),
-    ("pipeline.threads_per_stage=0", "pipeline.threads_per_stage"),
-    ("train.weight_decay=-0.1", "train.weight_decay"),
-    ("model.num_target_features=0", "model.num_target_features"),
-    ("data.max_files=0", "data.max_files"),
-    ("model.draft_num_attention_heads=0", "model.draft_num_attention_heads"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("model.block_size=1", "model.block_size"),
+        ("loss.kl_temperature=0", "loss.kl_temperature"),
+        ("loss.streak_alpha=-0.5", "loss.streak_alpha"),
+        ("schedule.noise_start=0.1", None),  # noise_end 0 <= 0.1 is fine
+        ("schedule.noise_end=0.5", "schedule.noise_end"),  # end above start (0)
+        ("train.seq_len=8", "train.seq_len"),
+        ("logging.wandb.mode=sometimes", "logging.wandb.mode"),
+        ("pipeline.mode=parallel", "pipeline.mode"),
+        ("data.on_bad_record=ignore", "data.on_bad_record"),
+        # each of these used to fail only after the target had loaded (or at the final eval)
+        ("eval.prompt_lookup_ngram=0", "eval.prompt_lookup_ngram"),
+        ("eval.prompt_len=0", "eval.prompt_len"),
+        ("pipeline.queue_bytes=0", "pipeline.queue_bytes"),
+        ("pipeline.join_timeout_s=0", "pipeline.join_timeout_s"),
+        ("pipeline.threads_per_stage=0", "pipeline.threads_per_stage"),
+        ("train.weight_decay=-0.1", "train.weight_decay"),
+        ("model.num_target_features=0", "model.num_target_features"),
+        ("data.max_files=0", "data.max_files"),
+        ("model.draft_num_attention_heads=0", "model.draft_num_attention_heads"),
+    ],
+)
 def test_value_checks_name_the_key(override, key):
     cfg = _compose([override])
     if key is None:
@@ -96,18 +104,22 @@ def _status(run_dir: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args,needle,creates_run_dir", [
-    (["model.blok_size=3"], "blok_size", False),  # unknown key: Hydra refuses at composition
-    (["model.block_size=abc"], "model.block_size", False),  # wrong type
-    (["model.block_size=1"], "model.block_size", True),  # out of range: our validation, in the run dir
-    (["model=tiny", "model.build.kind=none", "model.target=/nonexistent/model"], "/nonexistent/model", True),
-    (["data=jsonl", "data.path=/nonexistent/data.jsonl"], "/nonexistent/data.jsonl", True),
-])
+@pytest.mark.parametrize(
+    "args,needle,creates_run_dir",
+    [
+        (["model.blok_size=3"], "blok_size", False),  # unknown key: Hydra refuses at composition
+        (["model.block_size=abc"], "model.block_size", False),  # wrong type
+        (["model.block_size=1"], "model.block_size", True),  # out of range: our validation, in the run dir
+        (["model=tiny", "model.build.kind=none", "model.target=/nonexistent/model"], "/nonexistent/model", True),
+        (["data=jsonl", "data.path=/nonexistent/data.jsonl"], "/nonexistent/data.jsonl", True),
+    ],
+)
 def test_bad_input_fails_fast(tmp_path, cache_dir, tiny_target, args, needle, creates_run_dir):
     run_dir = tmp_path / "run"
     t0 = time.time()
-    proc = launch(["experiment=smoke", f"hydra.run.dir={run_dir}", *args], cache_dir, timeout=120,
-                  env={"HYDRA_FULL_ERROR": "0"})
+    proc = launch(
+        ["experiment=smoke", f"hydra.run.dir={run_dir}", *args], cache_dir, timeout=120, env={"HYDRA_FULL_ERROR": "0"}
+    )
     assert proc.returncode != 0
     assert time.time() - t0 < 60
     assert needle in proc.stderr + proc.stdout
@@ -136,7 +148,7 @@ def test_cuda_device_without_cuda_is_a_config_error(monkeypatch):
     import torch
 
     from dflash.config import ConfigError
-    from dflash.target import resolve_device
+    from dflash.model.target import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="model.device='cuda:1' is invalid: torch sees no CUDA device"):

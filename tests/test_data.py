@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from dflash.data import BadRecordError, _render_record
+from dflash.data.corpus import BadRecordError, _render_record
 
 CONVERSATION = [
     {"role": "user", "content": "first question"},
@@ -47,7 +47,9 @@ def test_turns_rendered_differently_alone_are_not_supervised(tiny_tokenizer):
 
 def test_a_record_without_a_consistent_turn_is_bad(tiny_tokenizer):
     tok = copy.deepcopy(tiny_tokenizer)
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    )
     with pytest.raises(BadRecordError, match="x.jsonl:1: the chat template renders no assistant turn"):
         _render_record({"messages": CONVERSATION[:2]}, tok, "x.jsonl:1")
 
@@ -57,12 +59,20 @@ def test_jsonl_eval_prompts_come_from_records_kept_out_of_training(tmp_path, tin
 
     from omegaconf import OmegaConf
 
-    from dflash.data import build_batches, heldout_prompts
+    from dflash.data.batches import build_batches
+    from dflash.data.prompts import heldout_prompts
 
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps({"text": f"this is record {r}\n" * 12}) + "\n" for r in range(20)))
-    data = OmegaConf.create({"name": "jsonl", "path": str(path), "on_bad_record": "fail", "holdout_fraction": 0.1,
-                             "min_supervised_tokens": 1})
+    data = OmegaConf.create(
+        {
+            "name": "jsonl",
+            "path": str(path),
+            "on_bad_record": "fail",
+            "holdout_fraction": 0.1,
+            "min_supervised_tokens": 1,
+        }
+    )
     train = OmegaConf.create({"seq_len": 16, "batch_size": 1, "seed": 0})
     batches, _ = build_batches(data, train, tiny_tokenizer, block_size=4)
     trained = tiny_tokenizer.decode(batches.windows.flatten().tolist())
@@ -73,7 +83,8 @@ def test_jsonl_eval_prompts_come_from_records_kept_out_of_training(tmp_path, tin
 
 
 def test_pack_joins_documents_with_one_eos():
-    from dflash.data import Document, pack
+    from dflash.data.batches import pack
+    from dflash.data.corpus import Document
 
     eos = 0
     ids, mask = pack([Document([5, 6], [False, True]), Document([7, eos], [True, True]), Document([8], [False])], eos)

@@ -14,19 +14,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.evaluate import (
+from dflash.evaluation.cli import main
+from dflash.evaluation.decoding import (
     DFlashProposer,
     GenerationResult,
     acceptance_stats,
-    evaluate,
     lookup_draft,
-    main,
     prompt_lookup_generate,
-    snapshot_drafter,
     speculative_generate,
-    untrained_like,
     verify_generate,
 )
+from dflash.evaluation.evaluator import evaluate, frozen_copy, untrained_like
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = ["def foo(x):\n    return x + 1\n", "import os\nimport sys\n", "class A:\n    pass\n"]
@@ -47,12 +45,23 @@ def one_thread():
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     from dflash.config import TinyBuildConfig
-    from dflash.tiny import build
+    from dflash.tools.tiny import build
 
     d = tmp_path_factory.mktemp("tiny") / "target"
-    build(d, TinyBuildConfig(kind="tiny_random", vocab_size=512, hidden_size=64, num_layers=4,
-                             num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=128,
-                             pretrain_steps=0))
+    build(
+        d,
+        TinyBuildConfig(
+            kind="tiny_random",
+            vocab_size=512,
+            hidden_size=64,
+            num_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            intermediate_size=128,
+            pretrain_steps=0,
+        ),
+    )
     return d
 
 
@@ -88,8 +97,15 @@ def chaotic_target(tiny_dir):
 def _drafter_config(tok, hidden_size: int = 64):
     from transformers import Qwen3Config
 
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=128, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    cfg = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+    )
     cfg.dflash_config = {"mask_token_id": tok.mask_token_id, "target_layer_ids": [1, 2], "block_size": 4}
     cfg.block_size = 4
     cfg.num_target_layers = 4
@@ -98,7 +114,7 @@ def _drafter_config(tok, hidden_size: int = 64):
 
 @pytest.fixture(scope="session")
 def drafter(tok):
-    from dflash.drafter import DFlashDraftModel
+    from dflash.model.drafter import DFlashDraftModel
 
     torch.manual_seed(0)
     return DFlashDraftModel(_drafter_config(tok)).eval()
@@ -189,8 +205,7 @@ def test_max_new_tokens_truncates_final_emit():
 
 
 def test_eos_stops_generation():
-    res = verify_generate(CountingTarget(), ScriptedProposer(SCRIPT), [10], max_new_tokens=50, block_size=4,
-                          eos_id=16)
+    res = verify_generate(CountingTarget(), ScriptedProposer(SCRIPT), [10], max_new_tokens=50, block_size=4, eos_id=16)
     # cycle 3 emits 16..19 in one go; output ends right after the EOS 16
     assert res.tokens == [11, 12, 13, 14, 15, 16]
     assert res.cycles == 3
@@ -228,7 +243,7 @@ def test_greedy_speculative_output_is_lossless(request, which, block_size, draft
     model = request.getfixturevalue(which)
     eos = tok.eos_token_id
     for p in prompts:
-        reference = model.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False)[0, len(p):].tolist()
+        reference = model.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False)[0, len(p) :].tolist()
         plain = speculative_generate(model, None, p, 20, 1, eos_id=eos)
         assert plain.tokens == reference  # our block-1 loop == HF greedy generate
         dflash = speculative_generate(model, drafter, p, 20, block_size, eos_id=eos)
@@ -301,13 +316,30 @@ def test_evaluate_metrics_and_modes(chaotic_target, drafter, prompts, tok):
     untrained = untrained_like(drafter, seed=1)
     drafter.train()
     try:
-        res = evaluate(chaotic_target, drafter, prompts[:2], max_new_tokens=12, block_size=4,
-                       untrained_drafter=untrained, tokenizer=tok, eos_id=tok.eos_token_id)
+        res = evaluate(
+            chaotic_target,
+            drafter,
+            prompts[:2],
+            max_new_tokens=12,
+            block_size=4,
+            untrained_drafter=untrained,
+            tokenizer=tok,
+            eos_id=tok.eos_token_id,
+        )
         assert drafter.training  # train mode restored
     finally:
         drafter.eval()
-    for key in ("eval/tau", "eval/tau_baseline", "eval/tau_untrained", "eval/speedup", "eval/tok_s",
-                "eval/tok_s_target_only", "eval/lossless", "eval/acc_hist_4", "eval/acc_pos_3"):
+    for key in (
+        "eval/tau",
+        "eval/tau_baseline",
+        "eval/tau_untrained",
+        "eval/speedup",
+        "eval/tok_s",
+        "eval/tok_s_target_only",
+        "eval/lossless",
+        "eval/acc_hist_4",
+        "eval/acc_pos_3",
+    ):
         assert key in res, key
     assert res["eval/lossless"] == 1.0
     rows = res["details"]["prompts"]
@@ -318,20 +350,32 @@ def test_evaluate_metrics_and_modes(chaotic_target, drafter, prompts, tok):
 
 def test_temperature_sampling_runs(chaotic_target, drafter, prompts):
     B = 4
-    res = evaluate(chaotic_target, drafter, prompts[:2], max_new_tokens=12, block_size=B, temperature=1.0,
-                   baselines=True, warmup=False)
+    res = evaluate(
+        chaotic_target,
+        drafter,
+        prompts[:2],
+        max_new_tokens=12,
+        block_size=B,
+        temperature=1.0,
+        baselines=True,
+        warmup=False,
+    )
     assert 1.0 <= res["eval/tau"] <= B
     assert 1.0 <= res["eval/tau_baseline"] <= B
     assert "eval/lossless" not in res  # only defined for greedy decoding
     # same seed, same samples
-    runs = [speculative_generate(chaotic_target, drafter, prompts[0], 12, B, temperature=1.0,
-                                 generator=torch.Generator().manual_seed(3)) for _ in range(2)]
+    runs = [
+        speculative_generate(
+            chaotic_target, drafter, prompts[0], 12, B, temperature=1.0, generator=torch.Generator().manual_seed(3)
+        )
+        for _ in range(2)
+    ]
     assert runs[0].tokens == runs[1].tokens and len(runs[0].tokens) == 12
 
 
-def test_snapshot_is_an_independent_eval_copy(drafter):
+def test_frozen_copy_is_an_independent_eval_copy(drafter):
     drafter.train()
-    snap = snapshot_drafter(drafter)
+    snap = frozen_copy(drafter)
     drafter.eval()
     assert not snap.training
     assert all(not p.requires_grad for p in snap.parameters())
@@ -359,9 +403,27 @@ def test_cli_on_saved_drafter(saved_drafter, tiny_dir, tmp_path):
     out = tmp_path / "eval.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "dflash.evaluate", str(saved_drafter), "--target", str(tiny_dir), "--prompts-file",
-         str(prompts_file), "--max-new-tokens", "8", "--device", "cpu", "--out", str(out)],
-        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "dflash.evaluate",
+            str(saved_drafter),
+            "--target",
+            str(tiny_dir),
+            "--prompts-file",
+            str(prompts_file),
+            "--max-new-tokens",
+            "8",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "eval/tau" in proc.stdout
@@ -382,8 +444,23 @@ def test_cli_reads_dflash_target_from_config(saved_drafter, tiny_dir, tmp_path):
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text(TEXTS[0].replace("\n", "\\n") + "\n")
     out = tmp_path / "e.json"
-    assert main([str(d), "--prompts-file", str(prompts_file), "--max-new-tokens", "5", "--no-baselines",
-                 "--device", "cpu", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                str(d),
+                "--prompts-file",
+                str(prompts_file),
+                "--max-new-tokens",
+                "5",
+                "--no-baselines",
+                "--device",
+                "cpu",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     assert data["target"] == str(tiny_dir) and len(data["details"]["prompts"][0]["tokens"]) == 5
 

@@ -7,22 +7,22 @@ import math
 import pytest
 import torch
 
-from dflash.losses import (
-    BlockMetricsAccumulator,
-    block_metrics,
+from dflash.model.losses import (
     decay_weights,
     dflash_loss,
     dflash_loss_naive,
     position_weights,
     streak_weights,
 )
+from dflash.train.block_metrics import BlockMetricsAccumulator, block_metrics
 
 LN2 = math.log(2.0)
 
 
 def _kwargs(loss_name: str, block_size: int, **over) -> dict:
-    kw = dict(loss_name=loss_name, block_size=block_size, decay_gamma=2.0, kl_temperature=1.0, kl_weight=0.5,
-              streak_alpha=0.5)
+    kw = dict(
+        loss_name=loss_name, block_size=block_size, decay_gamma=2.0, kl_temperature=1.0, kl_weight=0.5, streak_alpha=0.5
+    )
     kw.update(over)
     return kw
 
@@ -207,8 +207,9 @@ def test_weight_denominator_override() -> None:
     draft, teacher, labels, valid, w = _random_case()
     kw = _kwargs("kl_streak", 5)
     local = dflash_loss(draft, labels, valid, w, teacher_hidden=teacher, **kw)
-    doubled = dflash_loss(draft, labels, valid, w, teacher_hidden=teacher,
-                          weight_denominator=2 * local.weight_sum, **kw)
+    doubled = dflash_loss(
+        draft, labels, valid, w, teacher_hidden=teacher, weight_denominator=2 * local.weight_sum, **kw
+    )
     assert doubled.loss.item() == pytest.approx(local.loss.item() / 2, rel=1e-6)
     seen = []
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dflash.pipeline import (
+from dflash.train.pipeline import (
     END,
     MONITOR_KEYS,
     BoundedChannel,
@@ -163,17 +163,17 @@ def test_stage_stats_fractions_and_open_spans():
         clock.t += 1.0
     st.count(items=3, tokens=30)
     clock.t += 1.0
-    snap = st.snapshot_and_reset()
+    snap = st.take_window()
     assert snap.interval_s == 4.0 and snap.busy_s == 2.0 and snap.wait_s == 1.0
     assert snap.busy_frac == 2.0 / (4.0 * 2) and snap.wait_frac == 1.0 / (4.0 * 2)
     assert (snap.items, snap.tokens) == (3, 30)
 
-    # a span still open at the snapshot is credited up to it, the rest goes to the next interval
+    # a span still open at the window end is credited up to it, the rest goes to the next interval
     with st.busy():
         clock.t += 1.0
-        first = st.snapshot_and_reset()
+        first = st.take_window()
         clock.t += 3.0
-    second = st.snapshot_and_reset()
+    second = st.take_window()
     assert (first.busy_s, second.busy_s) == (1.0, 3.0) and first.items == 0
     tot = st.totals()
     assert tot["busy_s"] == 6.0 and tot["items"] == 3
@@ -300,7 +300,10 @@ def test_stage_failure_is_logged(caplog):
     def target_fn(batch):
         raise KeyError("missing")
 
-    with caplog.at_level(logging.ERROR, logger="dflash.pipeline"), pytest.raises(StageError, match="^target stage"):
+    with (
+        caplog.at_level(logging.ERROR, logger="dflash.train.pipeline"),
+        pytest.raises(StageError, match="^target stage"),
+    ):
         make(batches(None), target_fn, collecting_drafter([])).run()
     assert any("target stage failed" in r.getMessage() and "KeyError" in r.getMessage() for r in caplog.records)
 
@@ -387,7 +390,7 @@ def test_stuck_stage_is_abandoned_after_join_timeout(caplog):
 
     p = make(batches(None), target_fn, collecting_drafter([], stop_after=3), join_timeout_s=0.5)
     t0 = time.perf_counter()
-    with caplog.at_level(logging.WARNING, logger="dflash.pipeline"):
+    with caplog.at_level(logging.WARNING, logger="dflash.train.pipeline"):
         res = p.run()
     try:
         assert res.stopped_by == "finished" and time.perf_counter() - t0 < 3.0
@@ -419,8 +422,9 @@ def test_monitor_ticks_keys_depth_and_token_rate():
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_short_run_gets_one_final_tick(mode):
     ticks: list[dict] = []
-    make(batches(3), sleepy_target(0.0), collecting_drafter([]), mode=mode, monitor_interval_s=60,
-         on_tick=ticks.append).run()
+    make(
+        batches(3), sleepy_target(0.0), collecting_drafter([]), mode=mode, monitor_interval_s=60, on_tick=ticks.append
+    ).run()
     assert len(ticks) == 1
     assert ticks[0]["perf/ktok_s"] > 0
     if mode == "sync":
@@ -483,6 +487,7 @@ def test_pipeline_runs_once():
 def test_system_exit_in_a_stage_thread_is_a_stage_error(stage, workers):
     """Not only Exception: a SystemExit in a thread used to end the run as "exhausted" (or hang with two
     target workers) instead of failing it."""
+
     def target_fn(batch):
         if stage == "target" and batch.idx == 3:
             raise SystemExit("bye from target")

@@ -13,15 +13,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
-from dflash.checkpoint import CheckpointMismatch, latest_checkpoint, load_checkpoint, save_checkpoint
-
 from conftest import REPO, launch
+from safetensors.torch import load_file
 from test_drafter import make_drafter
 
-COMMON = ["experiment=smoke", "train.max_steps=12", "checkpoint.every_steps=4", "eval.num_prompts=0",
-          "checkpoint.keep_last=5"]
+from dflash.train.checkpoint import (
+    CheckpointMismatch,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+COMMON = [
+    "experiment=smoke",
+    "train.max_steps=12",
+    "checkpoint.every_steps=4",
+    "eval.num_prompts=0",
+    "checkpoint.keep_last=5",
+]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -38,12 +47,12 @@ def test_kill9_then_resume_matches_uninterrupted_run(tmp_path, cache_dir, tiny_t
     ref, crashed = tmp_path / "ref", tmp_path / "crashed"
     common = [*COMMON, f"pipeline={pipeline}"]
     launch([*common, f"hydra.run.dir={ref}"], cache_dir, check=True)
-    proc = launch([*common, f"hydra.run.dir={crashed}", "train.crash_at_step=9"], cache_dir)
+    proc = launch([*common, f"hydra.run.dir={crashed}", "+debug=faults", "debug.crash_at_step=9"], cache_dir)
     assert proc.returncode == -signal.SIGKILL  # killed after its second checkpoint (steps 4, 8)
     assert json.loads((crashed / "status.json").read_text())["status"] == "running"
     assert latest_checkpoint(crashed).name == "step_8"
 
-    launch([f"resume={crashed}", "train.crash_at_step=null"], cache_dir, check=True)
+    launch([f"resume={crashed}", "debug.crash_at_step=null"], cache_dir, check=True)
     assert json.loads((crashed / "status.json").read_text())["status"] == "completed"
     steps = [r["step"] for r in read_jsonl(crashed / "metrics.jsonl") if "train/loss" in r]
     assert len(steps) == len(set(steps)) and steps == sorted(steps) and steps[-1] == 12
@@ -60,9 +69,21 @@ def test_kill9_then_resume_matches_uninterrupted_run(tmp_path, cache_dir, tiny_t
 def test_sigterm_checkpoint_then_resume_completes(tmp_path, cache_dir, tiny_target):
     run_dir = tmp_path / "run"
     env = {**os.environ, "DFLASH_CACHE_DIR": str(cache_dir), "WANDB_MODE": "disabled"}
-    proc = subprocess.Popen([sys.executable, "launch.py", "experiment=smoke", f"hydra.run.dir={run_dir}",
-                             "train.max_steps=100000", "checkpoint.every_steps=0", "eval.num_prompts=0"],
-                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "launch.py",
+            "experiment=smoke",
+            f"hydra.run.dir={run_dir}",
+            "train.max_steps=100000",
+            "checkpoint.every_steps=0",
+            "eval.num_prompts=0",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 60
     while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
         time.sleep(0.2)
@@ -169,8 +190,17 @@ def test_state_is_loaded_with_weights_only(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_resuming_a_completed_run_repeats_nothing(tmp_path, cache_dir, tiny_target):
     run_dir = tmp_path / "run"
-    launch(["experiment=smoke", "train.max_steps=4", "eval.num_prompts=1", "eval.max_new_tokens=4",
-            f"hydra.run.dir={run_dir}"], cache_dir, check=True)
+    launch(
+        [
+            "experiment=smoke",
+            "train.max_steps=4",
+            "eval.num_prompts=1",
+            "eval.max_new_tokens=4",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cache_dir,
+        check=True,
+    )
     before = (run_dir / "metrics.jsonl").read_text()
     assert '"eval/tau"' in before
     launch([f"resume={run_dir}"], cache_dir, check=True)
@@ -195,5 +225,10 @@ def test_resume_path_with_tilde_is_expanded_before_hydra(tmp_path, monkeypatch):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config_resolved.yaml").write_text("{}\n")
     argv = launch_module._route_resume(["launch.py", "+resume=~/run", "train.max_steps=3"])
-    assert argv == ["launch.py", f"resume={tmp_path / 'run'}", "train.max_steps=3",
-                    f"hydra.run.dir={tmp_path / 'run'}", "hydra.output_subdir=.hydra/resume"]
+    assert argv == [
+        "launch.py",
+        f"resume={tmp_path / 'run'}",
+        "train.max_steps=3",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        "hydra.output_subdir=.hydra/resume",
+    ]

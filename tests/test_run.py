@@ -11,15 +11,29 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, launch
 
 pytestmark = pytest.mark.slow
 
-DESIGN_TRAIN_KEYS = ["train/loss", "train/loss_ce", "train/loss_kl", "train/accuracy", "train/avg_streak",
-                     "train/acc_pos_1", "train/lr", "train/noise_std", "train/grad_norm"]
-DESIGN_PERF_KEYS = ["perf/ktok_s", "perf/target_queue_depth", "perf/hs_queue_depth", "perf/target_busy",
-                    "perf/drafter_busy", "perf/drafter_wait_s"]
+DESIGN_TRAIN_KEYS = [
+    "train/loss",
+    "train/loss_ce",
+    "train/loss_kl",
+    "train/accuracy",
+    "train/avg_streak",
+    "train/acc_pos_1",
+    "train/lr",
+    "train/noise_std",
+    "train/grad_norm",
+]
+DESIGN_PERF_KEYS = [
+    "perf/ktok_s",
+    "perf/target_queue_depth",
+    "perf/hs_queue_depth",
+    "perf/target_busy",
+    "perf/drafter_busy",
+    "perf/drafter_wait_s",
+]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -32,11 +46,30 @@ def status(run_dir: Path) -> dict:
 
 def test_smoke_run_leaves_a_complete_run_dir(tmp_path, cache_dir, tiny_target):
     run_dir = tmp_path / "run"
-    launch(["experiment=smoke", f"hydra.run.dir={run_dir}", "train.max_steps=12", "pipeline.monitor_interval_s=0.05",
-            "train.seed=3"], cache_dir, check=True,
-           env={"WANDB_API_KEY": "secret-key-should-not-leak-123"})
-    for name in ("config_resolved.yaml", "run.json", "status.json", "metrics.jsonl", "summary.json", "eval.json",
-                 ".hydra/config.yaml", "drafter/config.json", "drafter/model.safetensors", "drafter/dflash.py"):
+    launch(
+        [
+            "experiment=smoke",
+            f"hydra.run.dir={run_dir}",
+            "train.max_steps=12",
+            "pipeline.monitor_interval_s=0.05",
+            "train.seed=3",
+        ],
+        cache_dir,
+        check=True,
+        env={"WANDB_API_KEY": "secret-key-should-not-leak-123"},
+    )
+    for name in (
+        "config_resolved.yaml",
+        "run.json",
+        "status.json",
+        "metrics.jsonl",
+        "summary.json",
+        "eval.json",
+        ".hydra/config.yaml",
+        "drafter/config.json",
+        "drafter/model.safetensors",
+        "drafter/dflash.py",
+    ):
         assert (run_dir / name).exists(), name
     assert status(run_dir)["status"] == "completed"
     run = json.loads((run_dir / "run.json").read_text())
@@ -59,11 +92,52 @@ def test_smoke_run_leaves_a_complete_run_dir(tmp_path, cache_dir, tiny_target):
     assert summary["step"] == 12 and "eval/tau" in summary
 
 
+def test_evaluate_cli_reproduces_the_runs_final_eval(tmp_path, cache_dir, tiny_target):
+    """`python -m dflash.evaluate RUN_DIR` repeats the run's own final eval from the run directory alone: the
+    prompts recorded in eval.json, the run's settings and seed, and the same acceptance lengths."""
+    run_dir = tmp_path / "run"
+    launch(
+        ["experiment=smoke", f"hydra.run.dir={run_dir}", "train.max_steps=8", "train.seed=5", "eval.num_prompts=3"],
+        cache_dir,
+        check=True,
+    )
+    ran = json.loads((run_dir / "eval.json").read_text())
+    assert len(ran["prompts"]) == 3 and all(isinstance(t, int) for p in ran["prompts"] for t in p)
+    out = tmp_path / "again.json"
+    env = {**os.environ, "DFLASH_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash.evaluate", str(run_dir), "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = json.loads(out.read_text())
+    assert again["prompts"] == ran["prompts"]
+    for key in ("eval/tau", "eval/tau_baseline", "eval/tau_untrained", "eval/cycles", "eval/lossless"):
+        assert again["metrics"][key] == ran["metrics"][key], key
+    fields = ("prompt_len", "tokens", "accept_lengths", "baseline_accept_lengths", "untrained_accept_lengths")
+    for a, b in zip(ran["details"]["prompts"], again["details"]["prompts"], strict=True):
+        assert {k: a[k] for k in fields} == {k: b[k] for k in fields}
+
+
 @pytest.mark.parametrize("loss", ["ce_decay", "kl", "kl_streak"])
 def test_each_loss_runs_and_logs(tmp_path, cache_dir, tiny_target, loss):
     run_dir = tmp_path / loss
-    launch(["experiment=smoke", f"loss={loss}", f"hydra.run.dir={run_dir}", "eval.num_prompts=0",
-            "schedule.noise_start=0.1", "schedule.noise_end=0.01"], cache_dir, check=True)
+    launch(
+        [
+            "experiment=smoke",
+            f"loss={loss}",
+            f"hydra.run.dir={run_dir}",
+            "eval.num_prompts=0",
+            "schedule.noise_start=0.1",
+            "schedule.noise_end=0.01",
+        ],
+        cache_dir,
+        check=True,
+    )
     last = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r][-1]
     for key in DESIGN_TRAIN_KEYS:
         assert key in last and last[key] is not None, key
@@ -74,10 +148,13 @@ def test_each_loss_runs_and_logs(tmp_path, cache_dir, tiny_target, loss):
     assert 0.01 <= last["train/noise_std"] <= 0.1
 
 
-@pytest.mark.parametrize("args,stage", [
-    (["train.fail_target_at_batch=3"], "target"),
-    (["train.fail_at_step=3"], "drafter"),
-])
+@pytest.mark.parametrize(
+    "args,stage",
+    [
+        (["debug.fail_target_at_batch=3"], "target"),
+        (["debug.fail_at_step=3"], "drafter"),
+    ],
+)
 def test_stage_fault_ends_the_run(tmp_path, cache_dir, tiny_target, args, stage):
     run_dir = tmp_path / "run"
     t0 = time.time()
@@ -93,11 +170,23 @@ def test_stage_fault_ends_the_run(tmp_path, cache_dir, tiny_target, args, stage)
 def test_malformed_record(tmp_path, cache_dir, tiny_target, mode):
     data = tmp_path / "data.jsonl"
     good = json.dumps({"text": "def f(x):\n    return x + 1\n" * 40})
-    chat = json.dumps({"messages": [{"role": "user", "content": "add"}, {"role": "assistant", "content": "x + 1" * 30}]})
+    chat = json.dumps(
+        {"messages": [{"role": "user", "content": "add"}, {"role": "assistant", "content": "x + 1" * 30}]}
+    )
     data.write_text("\n".join([good, chat, good, "{not json", good, good] * 4) + "\n")
     run_dir = tmp_path / "run"
-    proc = launch(["experiment=smoke", f"hydra.run.dir={run_dir}", "data=jsonl", f"data.path={data}",
-                   f"data.on_bad_record={mode}", "eval.num_prompts=0"], cache_dir, timeout=60)
+    proc = launch(
+        [
+            "experiment=smoke",
+            f"hydra.run.dir={run_dir}",
+            "data=jsonl",
+            f"data.path={data}",
+            f"data.on_bad_record={mode}",
+            "eval.num_prompts=0",
+        ],
+        cache_dir,
+        timeout=60,
+    )
     if mode == "fail":
         assert proc.returncode != 0
         assert f"{data}:4" in proc.stderr and "invalid JSON" in proc.stderr
@@ -111,9 +200,21 @@ def test_malformed_record(tmp_path, cache_dir, tiny_target, mode):
 def test_sigterm_interrupts_cleanly(tmp_path, cache_dir, tiny_target):
     run_dir = tmp_path / "run"
     env = {**os.environ, "DFLASH_CACHE_DIR": str(cache_dir), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "launch.py", "experiment=smoke", f"hydra.run.dir={run_dir}",
-                             "train.max_steps=100000", "checkpoint.every_steps=0"], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "launch.py",
+            "experiment=smoke",
+            f"hydra.run.dir={run_dir}",
+            "train.max_steps=100000",
+            "checkpoint.every_steps=0",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.time() + 60
     while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
         time.sleep(0.2)
@@ -136,29 +237,33 @@ def _in_process(overrides, cache_dir, monkeypatch):
     return compose_config(["experiment=smoke", *overrides])
 
 
-def test_drafter_stuck_past_join_timeout_writes_no_final_checkpoint(tmp_path, cache_dir, tiny_target, monkeypatch,
-                                                                     caplog):
+def test_drafter_stuck_past_join_timeout_writes_no_final_checkpoint(
+    tmp_path, cache_dir, tiny_target, monkeypatch, caplog
+):
     """SIGTERM while the drafter thread is inside a long periodic eval: the pipeline gives up on it after
     join_timeout_s. Its weights may then be mid-update, so the run fails without a final checkpoint or export
     (the periodic checkpoints stay usable)."""
     import threading
 
-    import dflash.evaluate
+    import dflash.evaluation.evaluator as evaluator_module
     from dflash.run import JobInfo, main
 
     release = threading.Event()
-    real_evaluate = dflash.evaluate.evaluate
+    real_evaluate = evaluator_module.evaluate
 
     def slow_evaluate(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)  # preemption arrives during the eval
         release.wait(30)
         return real_evaluate(*args, **kwargs)
 
-    monkeypatch.setattr(dflash.evaluate, "evaluate", slow_evaluate)
-    cfg = _in_process(["train.max_steps=20", "eval.every_steps=4", "checkpoint.every_steps=3",
-                       "pipeline.join_timeout_s=1"], cache_dir, monkeypatch)
+    monkeypatch.setattr(evaluator_module, "evaluate", slow_evaluate)
+    cfg = _in_process(
+        ["train.max_steps=20", "eval.every_steps=4", "checkpoint.every_steps=3", "pipeline.join_timeout_s=1"],
+        cache_dir,
+        monkeypatch,
+    )
     run_dir = tmp_path / "run"
-    caplog.set_level("INFO", logger="dflash.callbacks")
+    caplog.set_level("INFO", logger="dflash.tracking")
     try:
         with pytest.raises(RuntimeError, match="did not stop within pipeline.join_timeout_s"):
             main(cfg, JobInfo(run_dir))
@@ -176,15 +281,15 @@ def test_drafter_stuck_past_join_timeout_writes_no_final_checkpoint(tmp_path, ca
 def test_failing_export_still_ends_the_callbacks(tmp_path, cache_dir, tiny_target, monkeypatch, caplog):
     import logging
 
-    import dflash.export
+    import dflash.run
     from dflash.run import JobInfo, main
 
     def broken_export(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(dflash.export, "export_drafter", broken_export)
+    monkeypatch.setattr(dflash.run, "export_drafter", broken_export)
     cfg = _in_process(["train.max_steps=3"], cache_dir, monkeypatch)
-    with caplog.at_level(logging.INFO, logger="dflash.callbacks"), pytest.raises(OSError, match="disk full"):
+    with caplog.at_level(logging.INFO, logger="dflash.tracking"), pytest.raises(OSError, match="disk full"):
         main(cfg, JobInfo(tmp_path / "run"))
     assert json.loads((tmp_path / "run" / "status.json").read_text())["status"] == "failed"
     assert any("run failed at step 3/3" in r.getMessage() for r in caplog.records)

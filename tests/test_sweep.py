@@ -7,10 +7,9 @@ import io
 import json
 
 import pytest
-
-from dflash.compare import main as compare_main
-
 from conftest import launch
+
+from dflash.tools.compare_cli import main as compare_main
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +23,12 @@ def _compare(capsys, *args) -> str:
 
 def test_four_job_sweep_and_compare(tmp_path, cache_dir, tiny_target, capsys):
     sweep = tmp_path / "sweep"
-    launch(["-m", *SMOKE, f"hydra.sweep.dir={sweep}", "loss.kl_temperature=1,2", "loss.streak_alpha=0,0.5"],
-           cache_dir, check=True, timeout=600)
+    launch(
+        ["-m", *SMOKE, f"hydra.sweep.dir={sweep}", "loss.kl_temperature=1,2", "loss.streak_alpha=0,0.5"],
+        cache_dir,
+        check=True,
+        timeout=600,
+    )
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
     assert len(jobs) == 4 and all((j / "config_resolved.yaml").exists() for j in jobs)
     summary = json.loads((sweep / "sweep.json").read_text())
@@ -35,7 +38,11 @@ def test_four_job_sweep_and_compare(tmp_path, cache_dir, tiny_target, capsys):
     assert len(rows) == 4
     assert {"loss.kl_temperature", "loss.streak_alpha", "eval/tau", "status"} <= set(rows[0])
     assert {(r["loss.kl_temperature"], r["loss.streak_alpha"]) for r in rows} == {
-        ("1.0", "0.0"), ("1.0", "0.5"), ("2.0", "0.0"), ("2.0", "0.5")}
+        ("1.0", "0.0"),
+        ("1.0", "0.5"),
+        ("2.0", "0.0"),
+        ("2.0", "0.5"),
+    }
     table = _compare(capsys, sweep)
     assert "loss.kl_temperature" in table and "loss.streak_alpha" in table
     plot = tmp_path / "curves.png"
@@ -45,7 +52,7 @@ def test_four_job_sweep_and_compare(tmp_path, cache_dir, tiny_target, capsys):
 
 def test_sweep_with_a_failed_job_still_summarises(tmp_path, cache_dir, tiny_target, capsys):
     sweep = tmp_path / "sweep"
-    proc = launch(["-m", *SMOKE, f"hydra.sweep.dir={sweep}", "train.fail_at_step=null,2"], cache_dir, timeout=600)
+    proc = launch(["-m", *SMOKE, f"hydra.sweep.dir={sweep}", "debug.fail_at_step=null,2"], cache_dir, timeout=600)
     assert proc.returncode != 0  # Hydra reports the failed job after running all of them
     summary = json.loads((sweep / "sweep.json").read_text())
     assert sorted(j["status"] for j in summary["jobs"]) == ["completed", "failed"]
@@ -55,14 +62,21 @@ def test_sweep_with_a_failed_job_still_summarises(tmp_path, cache_dir, tiny_targ
 
 def test_seeds_group_with_mean_and_std(tmp_path, cache_dir, tiny_target, capsys):
     sweep = tmp_path / "sweep"
-    launch(["-m", *SMOKE, f"hydra.sweep.dir={sweep}", "train.seed=0,1,2", "eval.num_prompts=0"], cache_dir,
-           check=True, timeout=600)
+    launch(
+        ["-m", *SMOKE, f"hydra.sweep.dir={sweep}", "train.seed=0,1,2", "eval.num_prompts=0"],
+        cache_dir,
+        check=True,
+        timeout=600,
+    )
     rows = json.loads(_compare(capsys, sweep, "--group-by", "auto", "--format", "json", "--metrics", "train/loss"))
     assert len(rows) == 1
     row = rows[0]
     assert row["n"] == 3
-    losses = [json.loads(l)["train/loss"] for j in range(3)
-              for l in (sweep / str(j) / "metrics.jsonl").read_text().splitlines()[-1:]]
+    losses = [
+        json.loads(line)["train/loss"]
+        for j in range(3)
+        for line in (sweep / str(j) / "metrics.jsonl").read_text().splitlines()[-1:]
+    ]
     mean = sum(losses) / 3
     std = (sum((x - mean) ** 2 for x in losses) / 2) ** 0.5  # sample std
     assert len(set(losses)) == 3  # the seeds really differ
@@ -76,7 +90,7 @@ def _live_models() -> int:
 
     from transformers import PreTrainedModel
 
-    from dflash.drafter import DFlashDraftModel
+    from dflash.model.drafter import DFlashDraftModel
 
     gc.collect()
     return sum(issubclass(type(o), (DFlashDraftModel, PreTrainedModel)) for o in gc.get_objects())
@@ -88,6 +102,7 @@ def test_jobs_in_one_process_free_threads_and_models(tmp_path, cache_dir, tiny_t
     import threading
 
     from conftest import compose_config
+
     from dflash.run import JobInfo, main
 
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(cache_dir))
@@ -106,8 +121,19 @@ def test_jobs_in_one_process_free_threads_and_models(tmp_path, cache_dir, tiny_t
 def test_joblib_launcher_runs_jobs_in_parallel_processes(tmp_path, cache_dir, tiny_target):
     """The documented CPU-parallel launcher: each job a complete run dir, one sweep.json for all."""
     sweep = tmp_path / "sweep"
-    launch(["-m", *SMOKE, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sweep}",
-            "loss.streak_alpha=0,1"], cache_dir, check=True, timeout=600)
+    launch(
+        [
+            "-m",
+            *SMOKE,
+            "hydra/launcher=joblib",
+            "hydra.launcher.n_jobs=2",
+            f"hydra.sweep.dir={sweep}",
+            "loss.streak_alpha=0,1",
+        ],
+        cache_dir,
+        check=True,
+        timeout=600,
+    )
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
     assert len(jobs) == 2
     assert all(json.loads((j / "status.json").read_text())["status"] == "completed" for j in jobs)
@@ -121,7 +147,7 @@ def test_sweep_json_is_written_under_a_lock(tmp_path):
     import threading
     import time
 
-    from dflash.sweep import SWEEP_FILE, _sweep_lock, summarize_sweep
+    from dflash.tools.sweep import SWEEP_FILE, _sweep_lock, summarize_sweep
 
     done = threading.Event()
     with _sweep_lock(tmp_path):

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import REPO
 from hydra import compose, initialize_config_dir
 
 from dflash.config import register_configs
-from dflash.data import Batch
-from dflash.export import build_drafter_config
-from dflash.drafter import DFlashDraftModel
-from dflash.target import TargetModel
-from dflash.trainer import DrafterTrainer, TargetStep, TrainingDiverged
-
-from conftest import REPO
+from dflash.data.batches import Batch
+from dflash.model.build import build_drafter_config
+from dflash.model.drafter import DFlashDraftModel
+from dflash.model.target import TargetModel
+from dflash.train.trainer import DrafterTrainer, TargetForward, TrainingDiverged
 
 register_configs()
 
@@ -21,8 +20,15 @@ register_configs()
 @pytest.fixture()
 def parts(tiny_target, tiny_tokenizer):
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[
-            "experiment=smoke", f"model.target={tiny_target}", "train.max_bad_steps=3", "train.max_steps=100"])
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                "experiment=smoke",
+                f"model.target={tiny_target}",
+                "train.max_bad_steps=3",
+                "train.max_steps=100",
+            ],
+        )
     target = TargetModel.load(str(tiny_target), [1, 2])
     mask_id = tiny_tokenizer.mask_token_id
     torch.manual_seed(0)
@@ -40,10 +46,10 @@ def test_training_reduces_loss_on_a_repeated_batch(parts):
     cfg, target, drafter, mask_id = parts
     cfg.schedule.lr, cfg.loss.name = 1e-2, "ce_decay"  # memorise one batch quickly
     trainer = DrafterTrainer(cfg, target, drafter, mask_id, total_steps=100)
-    item = TargetStep(target, torch.device("cpu"))(_batch())
+    item = TargetForward(target, torch.device("cpu"))(_batch())
     losses = []
     for _ in range(60):
-        trainer.step_fn(item)
+        trainer.train_on(item)
         losses.append(trainer.metrics()["train/loss"])
     # random tokens, anchors resampled every step: memorising is slow but steady (about -0.27 nats by step 60)
     assert losses[-1] < losses[0] - 0.15
@@ -53,20 +59,20 @@ def test_training_reduces_loss_on_a_repeated_batch(parts):
 def test_non_finite_steps_are_skipped_then_fail(parts):
     cfg, target, drafter, mask_id = parts
     trainer = DrafterTrainer(cfg, target, drafter, mask_id, total_steps=100)
-    item = TargetStep(target, torch.device("cpu"))(_batch())
-    trainer.step_fn(item)
+    item = TargetForward(target, torch.device("cpu"))(_batch())
+    trainer.train_on(item)
     before = {k: v.clone() for k, v in drafter.state_dict().items()}
-    bad = TargetStep(target, torch.device("cpu"))(_batch())
+    bad = TargetForward(target, torch.device("cpu"))(_batch())
     bad.target_hidden[:] = float("nan")
-    trainer.step_fn(bad)
-    trainer.step_fn(bad)
+    trainer.train_on(bad)
+    trainer.train_on(bad)
     assert trainer.skipped_steps == 2 and trainer.metrics()["train/skipped_steps"] == 2
     for k, v in drafter.state_dict().items():
         assert torch.equal(v, before[k]), k  # weights untouched by skipped steps
-    trainer.step_fn(item)  # a good step resets the run of bad ones
+    trainer.train_on(item)  # a good step resets the run of bad ones
     with pytest.raises(TrainingDiverged, match="max_bad_steps=3"):
         for _ in range(3):
-            trainer.step_fn(bad)
+            trainer.train_on(bad)
 
 
 def test_steps_are_deterministic(parts):
@@ -77,7 +83,7 @@ def test_steps_are_deterministic(parts):
         drafter = DFlashDraftModel(build_drafter_config(target.model.config, cfg.model, [1, 2], mask_id))
         trainer = DrafterTrainer(cfg, target, drafter, mask_id, total_steps=100)
         for i in range(3):
-            trainer.step_fn(TargetStep(target, torch.device("cpu"))(_batch(i)))
+            trainer.train_on(TargetForward(target, torch.device("cpu"))(_batch(i)))
         results.append({k: v.clone() for k, v in drafter.state_dict().items()})
     for k in results[0]:
         assert torch.equal(results[0][k], results[1][k]), k
@@ -86,7 +92,7 @@ def test_steps_are_deterministic(parts):
 def test_resumed_optimizer_takes_the_resumed_configs_hyperparameters(parts):
     cfg, target, drafter, mask_id = parts
     trainer = DrafterTrainer(cfg, target, drafter, mask_id, total_steps=100)
-    trainer.step_fn(TargetStep(target, torch.device("cpu"))(_batch()))
+    trainer.train_on(TargetForward(target, torch.device("cpu"))(_batch()))
     state = trainer.state_dict()
     cfg.train.weight_decay, cfg.train.betas = 0.3, [0.5, 0.6]  # what `resume=RUN train.weight_decay=0.3 ...` gives
     resumed = DrafterTrainer(cfg, target, drafter, mask_id, total_steps=100)
@@ -100,19 +106,19 @@ def test_logged_lr_is_the_lr_of_the_last_step_taken(parts):
     cfg, target, drafter, mask_id = parts
     cfg.schedule.warmup_ratio = 0.1  # lr rises every step of the first 10: an off-by-one shows
     trainer = DrafterTrainer(cfg, target, drafter, mask_id, total_steps=100)
-    item = TargetStep(target, torch.device("cpu"))(_batch())
+    item = TargetForward(target, torch.device("cpu"))(_batch())
     for _ in range(3):
-        trainer.step_fn(item)
+        trainer.train_on(item)
     assert trainer.metrics()["train/lr"] == trainer.optimizer.param_groups[0]["lr"] == trainer.lr_for(2)
 
 
 def test_bench_flop_count_sees_the_fused_lm_head(parts, tiny_target):
     """The bench's MFU rests on FlopCounterMode counting the matmuls inside the chunked LM-head loss (a custom
     autograd function): the KL loss must add exactly the teacher's logits, 2 * labels * hidden * vocab."""
-    from dflash.bench_pipeline import drafter_step_flops
+    from dflash.tools.bench.pipeline import drafter_step_flops
 
     cfg, target, _, mask_id = parts
-    item = TargetStep(target, torch.device("cpu"))(_batch())
+    item = TargetForward(target, torch.device("cpu"))(_batch())
     flops = {}
     for loss in ("ce_decay", "kl"):
         cfg.loss.name = loss

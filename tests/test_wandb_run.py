@@ -7,10 +7,8 @@ import math
 from pathlib import Path
 
 import pytest
-
-from dflash.wandb_offline import read_offline_run
-
 from conftest import launch
+from wandb_offline import read_offline_run
 
 pytestmark = pytest.mark.slow
 
@@ -25,8 +23,15 @@ def last_values(path: Path) -> dict:
 
 
 def _offline_args(run_dir):
-    return ["experiment=smoke", "logging=wandb", "logging.wandb.mode=offline", f"hydra.run.dir={run_dir}",
-            "loss.kl_temperature=2.0", "schedule.noise_start=0.05", "eval.num_prompts=1"]
+    return [
+        "experiment=smoke",
+        "logging=wandb",
+        "logging.wandb.mode=offline",
+        f"hydra.run.dir={run_dir}",
+        "loss.kl_temperature=2.0",
+        "schedule.noise_start=0.05",
+        "eval.num_prompts=1",
+    ]
 
 
 def test_offline_run_matches_metrics_jsonl_and_resumes_same_run(tmp_path, cache_dir, tiny_target):
@@ -50,9 +55,21 @@ def test_offline_run_matches_metrics_jsonl_and_resumes_same_run(tmp_path, cache_
 
 def test_multirun_jobs_share_a_group(tmp_path, cache_dir, tiny_target):
     sweep = tmp_path / "sweep"
-    launch(["-m", "experiment=smoke", "logging=wandb", "logging.wandb.mode=offline", f"hydra.sweep.dir={sweep}",
-            "train.max_steps=3", "eval.num_prompts=0", "loss.kl_temperature=1,2"], cache_dir, check=True,
-           env={"WANDB_MODE": "offline"})
+    launch(
+        [
+            "-m",
+            "experiment=smoke",
+            "logging=wandb",
+            "logging.wandb.mode=offline",
+            f"hydra.sweep.dir={sweep}",
+            "train.max_steps=3",
+            "eval.num_prompts=0",
+            "loss.kl_temperature=1,2",
+        ],
+        cache_dir,
+        check=True,
+        env={"WANDB_MODE": "offline"},
+    )
     recs = [read_offline_run(sweep / str(i)) for i in (0, 1)]
     assert recs[0]["run_id"] != recs[1]["run_id"]
     assert recs[0]["group"] == recs[1]["group"] and recs[0]["group"]

@@ -8,11 +8,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash.config import ConfigError
+from dflash.config import DTYPE_NAMES, ConfigError
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -20,8 +20,10 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"model.device={name!r} is invalid: torch sees no CUDA device here "
-                          f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None}); use auto or cpu")
+        raise ConfigError(
+            f"model.device={name!r} is invalid: torch sees no CUDA device here "
+            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None}); use auto or cpu"
+        )
     return device
 
 
@@ -58,15 +60,21 @@ class TargetModel(nn.Module):
             raise ValueError(f"target_layer_ids {bad} outside the target's layers 0..{self.num_layers - 1}")
 
     @classmethod
-    def load(cls, target: str, layer_ids: list[int], dtype: str = "float32", device: str = "auto") -> "TargetModel":
+    def load(cls, target: str, layer_ids: list[int], dtype: str = "float32", device: str = "auto") -> TargetModel:
         from transformers import AutoModelForCausalLM
 
         check_target_exists(target)
         model = AutoModelForCausalLM.from_pretrained(target, dtype=DTYPES[dtype])
         model.to(resolve_device(device))
-        log.info("target %s: %s, %d layers, hidden %d, %.1fM params, features from layers %s",
-                 target, type(model).__name__, model.config.num_hidden_layers, model.config.hidden_size,
-                 sum(p.numel() for p in model.parameters()) / 1e6, layer_ids)
+        log.info(
+            "target %s: %s, %d layers, hidden %d, %.1fM params, features from layers %s",
+            target,
+            type(model).__name__,
+            model.config.num_hidden_layers,
+            model.config.hidden_size,
+            sum(p.numel() for p in model.parameters()) / 1e6,
+            layer_ids,
+        )
         return cls(model, layer_ids)
 
     @property

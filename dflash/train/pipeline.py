@@ -31,11 +31,13 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
+
+from dflash.config import PIPELINE_MODES
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,7 @@ __all__ = [
     "Pipeline",
     "PipelineResult",
     "StageError",
-    "StageSnapshot",
+    "StageWindow",
     "StageStats",
     "item_nbytes",
 ]
@@ -223,7 +225,7 @@ class BoundedChannel:
 
 
 @dataclasses.dataclass(frozen=True)
-class StageSnapshot:
+class StageWindow:
     """One stage over one monitor interval. Fractions are per worker: busy_s / (interval_s * workers)."""
 
     interval_s: float
@@ -239,7 +241,7 @@ class StageStats:
     """Busy time (inside the stage function), wait time (blocked on a channel), items and tokens of one stage.
 
     Thread-safe; shared by all workers of a stage. Time of a call still in progress is credited up to the
-    snapshot, so a drafter step longer than the monitor interval does not show as 0 then > 1.
+    window, so a drafter step longer than the monitor interval does not show as 0 then > 1.
     """
 
     def __init__(self, name: str, workers: int = 1, clock: Callable[[], float] = time.perf_counter) -> None:
@@ -282,8 +284,8 @@ class StageStats:
             self._total_items += items
             self._total_tokens += tokens
 
-    def snapshot_and_reset(self) -> StageSnapshot:
-        """Totals and fractions since the previous snapshot (or construction); starts a new interval."""
+    def take_window(self) -> StageWindow:
+        """Totals and fractions since the previous window (or construction); starts a new interval."""
         with self._lock:
             now = self._clock()
             for key, start in self._open.items():  # credit spans still open, then restart them at `now`
@@ -292,7 +294,7 @@ class StageStats:
                 self._open[key] = now
             interval = max(now - self._interval_start, 1e-9)
             capacity = interval * self.workers
-            snap = StageSnapshot(
+            snap = StageWindow(
                 interval_s=interval,
                 busy_s=self._interval["busy"],
                 wait_s=self._interval["wait"],
@@ -410,7 +412,7 @@ class Pipeline:
         threads_per_stage: int | None = None,
         stop_event: threading.Event | None = None,
     ) -> None:
-        if mode not in ("async", "sync"):
+        if mode not in PIPELINE_MODES:
             raise ValueError(f"mode={mode!r} is invalid: must be one of async, sync")
         if queue_size < 1:
             raise ValueError(f"queue_size={queue_size!r} is invalid: must be >= 1")
@@ -483,8 +485,9 @@ class Pipeline:
         if first:
             log.error("%s stage failed; stopping the pipeline\n%s", stage, tb)
         else:
-            log.warning("%s stage also failed after the pipeline began stopping: %s: %s", stage,
-                        type(exc).__name__, exc)
+            log.warning(
+                "%s stage also failed after the pipeline began stopping: %s: %s", stage, type(exc).__name__, exc
+            )
         self._stop.set()
 
     def _poll_interrupt(self) -> None:
@@ -537,10 +540,16 @@ class Pipeline:
             raise err from exc
         stopped_by, reason = self._outcome or ("interrupted", "stopped")
         totals = self.drafter_stats.totals()
-        log.info("pipeline stopped: %s (%s) after %d items in %.1f s", stopped_by, reason, totals["items"],
-                 self._t_end - self._t0)
-        return PipelineResult(stopped_by, reason, int(totals["items"]), int(totals["tokens"]),
-                              self._t_end - self._t0, self.stats())
+        log.info(
+            "pipeline stopped: %s (%s) after %d items in %.1f s",
+            stopped_by,
+            reason,
+            totals["items"],
+            self._t_end - self._t0,
+        )
+        return PipelineResult(
+            stopped_by, reason, int(totals["items"]), int(totals["tokens"]), self._t_end - self._t0, self.stats()
+        )
 
     def _start_thread(self, name: str, body: Callable[[], None]) -> None:
         # Daemon: a thread stuck inside a stage function must not keep the process alive after run() gives up.
@@ -566,8 +575,12 @@ class Pipeline:
                 t.join(POLL_S)
         self.leftover_threads = [t.name for t in self._threads if t.is_alive()]
         if self.leftover_threads:
-            log.warning("threads %s did not exit within %.1f s (stuck inside a stage function); they are daemon "
-                        "threads and are abandoned", self.leftover_threads, self._join_timeout_s)
+            log.warning(
+                "threads %s did not exit within %.1f s (stuck inside a stage function); they are daemon "
+                "threads and are abandoned",
+                self.leftover_threads,
+                self._join_timeout_s,
+            )
 
     def _close_source(self) -> None:
         """Close a generator source here, in run()'s thread, once no stage runs it. Otherwise its frame (and the
@@ -705,9 +718,9 @@ class Pipeline:
 
     def _sample(self) -> dict[str, float]:
         """One monitor sample (resets the interval counters): the flat ``perf/*`` dict given to ``on_tick``."""
-        tgt = self.target_stats.snapshot_and_reset()
-        dft = self.drafter_stats.snapshot_and_reset()
-        self.source_stats.snapshot_and_reset()
+        tgt = self.target_stats.take_window()
+        dft = self.drafter_stats.take_window()
+        self.source_stats.take_window()
         return {
             "perf/target_queue_depth": float(self.target_queue.depth()),
             "perf/hs_queue_depth": float(self.hs_queue.depth()),

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-SCHEDULE_NAMES = ("cosine", "constant", "wsd")
+from dflash.config import SCHEDULE_NAMES
 
 
 def _check_step(step: int, total_steps: int) -> int:
@@ -76,9 +76,7 @@ def noise_std_at(step: int, total_steps: int, cfg: Any) -> float:
     return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def add_feature_noise(
-    features: torch.Tensor, std: float, generator: torch.Generator | None = None
-) -> torch.Tensor:
+def add_feature_noise(features: torch.Tensor, std: float, generator: torch.Generator | None = None) -> torch.Tensor:
     """features + N(0, std^2) noise of the same shape, dtype and device; `features` itself when std == 0.
 
     generator: optional, must live on features' device (reproducible noise per stage).

@@ -187,7 +187,9 @@ class Qwen3DFlashDecoderLayer(nn.Module):
     def forward(self, hidden_states, target_hidden, cos_sin, attention_mask, past_key_values=None):
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
-        hidden_states = residual + self.self_attn(hidden_states, target_hidden, cos_sin, attention_mask, past_key_values)
+        hidden_states = residual + self.self_attn(
+            hidden_states, target_hidden, cos_sin, attention_mask, past_key_values
+        )
         residual = hidden_states
         return residual + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -210,11 +212,12 @@ class DFlashDraftModel(PreTrainedModel):
             )
         self.target_layer_ids = list(dflash_config["target_layer_ids"])
         self.mask_token_id = int(dflash_config["mask_token_id"])
-        self.block_size = int(dflash_config.get("block_size", getattr(config, "block_size")))
+        self.block_size = int(dflash_config.get("block_size", config.block_size))
         num_target_layers = getattr(config, "num_target_layers", None)
         if num_target_layers is not None and any(not 0 <= i < num_target_layers for i in self.target_layer_ids):
             raise ValueError(
-                f"dflash_config.target_layer_ids={self.target_layer_ids} outside the target's {num_target_layers} layers"
+                f"dflash_config.target_layer_ids={self.target_layer_ids} outside the target's "
+                f"{num_target_layers} layers"
             )
         self.layers = nn.ModuleList([Qwen3DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)

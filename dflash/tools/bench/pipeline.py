@@ -1,11 +1,11 @@
 """`python -m dflash.bench pipeline [key=value ...]`: async vs sync pipeline on the same config, in one run.
 
-The stages are the real ones (`trainer.TargetStep`, `trainer.DrafterTrainer.step_fn`, `pipeline.Pipeline`),
+The stages are the real ones (`trainer.TargetForward`, `trainer.DrafterTrainer.train_on`, `pipeline.Pipeline`),
 fed with random token batches, on a Qwen3-shaped random target saved and loaded with `from_pretrained`
 like any other. It measures, side by side:
 
-  target stand-alone   TargetStep alone over the batches          (tokens/s)
-  drafter stand-alone  DrafterTrainer.step_fn alone over precomputed items
+  target stand-alone   TargetForward alone over the batches          (tokens/s)
+  drafter stand-alone  DrafterTrainer.train_on alone over precomputed items
   sync                 pipeline=sync: the stages one after the other in one thread
   async                pipeline=async: stages in threads joined by bounded queues
 
@@ -35,18 +35,43 @@ from pathlib import Path
 
 import torch
 
-DEFAULTS = {"size": "tiny", "device": "auto", "dtype": "float32", "batch_size": "8", "seq_len": "256",
-            "num_anchors": "auto", "block_size": "8", "steps": "40", "warmup": "5", "threads": "1",
-            "queue_size": "4", "peak_tflops": "auto"}
+DEFAULTS = {
+    "size": "tiny",
+    "device": "auto",
+    "dtype": "float32",
+    "batch_size": "8",
+    "seq_len": "256",
+    "num_anchors": "auto",
+    "block_size": "8",
+    "steps": "40",
+    "warmup": "5",
+    "threads": "1",
+    "queue_size": "4",
+    "peak_tflops": "auto",
+}
 
 # Dense bf16/fp16 tensor-core peaks (TFLOP/s, no sparsity) by device-name fragment.
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
 
 SHAPES = {
-    "tiny": dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=64),
-    "1b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
-               num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+    "tiny": dict(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
+    "1b": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
 }
 
 
@@ -58,13 +83,24 @@ def _config(opts: dict, target_dir: Path, num_anchors: int):
     register_configs()
     conf = Path(__file__).resolve().parent.parent / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        return compose(config_name="config", overrides=[
-            "model=tiny", f"model.target={target_dir}", "model.build.kind=none",
-            f"model.block_size={opts['block_size']}", "model.target_layer_ids=[1,3]", f"model.dtype={opts['dtype']}",
-            f"model.device={opts['device']}", f"train.batch_size={opts['batch_size']}",
-            f"train.seq_len={opts['seq_len']}", f"train.num_anchors={num_anchors}", "train.max_steps=1000000",
-            "logging=jsonl", "schedule=constant",
-        ])
+        return compose(
+            config_name="config",
+            overrides=[
+                "model=tiny",
+                f"model.target={target_dir}",
+                "model.build.kind=none",
+                f"model.block_size={opts['block_size']}",
+                "model.target_layer_ids=[1,3]",
+                f"model.dtype={opts['dtype']}",
+                f"model.device={opts['device']}",
+                f"train.batch_size={opts['batch_size']}",
+                f"train.seq_len={opts['seq_len']}",
+                f"train.num_anchors={num_anchors}",
+                "train.max_steps=1000000",
+                "logging=jsonl",
+                "schedule=constant",
+            ],
+        )
 
 
 def _throughput(fn, items, warmup: int) -> tuple[float, float]:
@@ -87,7 +123,7 @@ def drafter_step_flops(trainer, item) -> float:
     from torch.utils.flop_counter import FlopCounterMode
 
     with FlopCounterMode(display=False) as counter:
-        trainer.step_fn(item)
+        trainer.train_on(item)
     return float(counter.get_total_flops())
 
 
@@ -105,18 +141,18 @@ def sync_device() -> None:
         torch.cuda.synchronize()
 
 
-def bench_pipeline(args: list[str]) -> None:
+def bench(args: list[str]) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dflash.bench import _parse_opts
-    from dflash.data import Batch
-    from dflash.drafter import DFlashDraftModel
-    from dflash.export import build_drafter_config
-    from dflash.pipeline import Pipeline
-    from dflash.target import TargetModel, resolve_device
-    from dflash.trainer import DrafterTrainer, TargetStep
+    from dflash.data.batches import Batch
+    from dflash.model.build import build_drafter_config
+    from dflash.model.drafter import DFlashDraftModel
+    from dflash.model.target import TargetModel, resolve_device
+    from dflash.tools.bench.options import parse_opts
+    from dflash.train.pipeline import Pipeline
+    from dflash.train.trainer import DrafterTrainer, TargetForward
 
-    opts = _parse_opts(args, DEFAULTS)
+    opts = parse_opts(args, DEFAULTS)
     if opts["device"] == "auto":
         opts["device"] = "cuda" if torch.cuda.is_available() else "cpu"
     device = resolve_device(opts["device"])
@@ -131,19 +167,29 @@ def bench_pipeline(args: list[str]) -> None:
         target_dir = Path(tmp) / "target"
         shape = SHAPES[opts["size"]]
         Qwen3ForCausalLM(Qwen3Config(**shape, tie_word_embeddings=True, max_position_embeddings=4096)).save_pretrained(
-            target_dir)
+            target_dir
+        )
         cfg = _config(opts, target_dir, 1)
         target = TargetModel.load(str(target_dir), [1, 3], cfg.model.dtype, cfg.model.device)
         vocab = shape["vocab_size"]
         g = torch.Generator().manual_seed(0)
-        batches = [Batch(torch.randint(2, vocab, (bsz, seq), generator=g), torch.ones(bsz, seq, dtype=torch.bool),
-                         bsz * seq, 0, i) for i in range(steps + warmup)]
-        target_step = TargetStep(target, device)
+        batches = [
+            Batch(
+                torch.randint(2, vocab, (bsz, seq), generator=g),
+                torch.ones(bsz, seq, dtype=torch.bool),
+                bsz * seq,
+                0,
+                i,
+            )
+            for i in range(steps + warmup)
+        ]
+        target_step = TargetForward(target, device)
         target_tok_s, target_s = _throughput(target_step, batches, warmup)
         items = [target_step(b) for b in batches]
 
         drafter0 = DFlashDraftModel(build_drafter_config(target.model.config, cfg.model, [1, 3], 1)).to(
-            device=device, dtype=target.dtype)
+            device=device, dtype=target.dtype
+        )
 
         def make_trainer(num_anchors: int):
             c = _config(opts, target_dir, num_anchors)
@@ -154,22 +200,29 @@ def bench_pipeline(args: list[str]) -> None:
             for n in (4, 8, 16, 24, 32, 48, 64, 96, 128):
                 if n * int(opts["block_size"]) > seq * 2:
                     break
-                _, s = _throughput(make_trainer(n).step_fn, items[: warmup + 4], warmup)
+                _, s = _throughput(make_trainer(n).train_on, items[: warmup + 4], warmup)
                 if best is None or abs(s - target_s) < abs(best[1] - target_s):
                     best = (n, s)
             num_anchors = best[0]
         else:
             num_anchors = int(opts["num_anchors"])
-        drafter_tok_s, drafter_step_s = _throughput(make_trainer(num_anchors).step_fn, items, warmup)
+        drafter_tok_s, drafter_step_s = _throughput(make_trainer(num_anchors).train_on, items, warmup)
         step_flops = drafter_step_flops(make_trainer(num_anchors), items[0])
 
         def run_pipeline(mode: str, stage_threads: int) -> tuple[float, dict]:
             trainer = make_trainer(num_anchors)
             for it in items[:warmup]:
-                trainer.step_fn(it)
+                trainer.train_on(it)
             limit = itertools.islice(itertools.cycle(batches), steps)
-            pipe = Pipeline(limit, target_step, trainer.step_fn, mode=mode, queue_size=int(opts["queue_size"]),
-                            monitor_interval_s=3600, threads_per_stage=stage_threads if device.type == "cpu" else None)
+            pipe = Pipeline(
+                limit,
+                target_step,
+                trainer.train_on,
+                mode=mode,
+                queue_size=int(opts["queue_size"]),
+                monitor_interval_s=3600,
+                threads_per_stage=stage_threads if device.type == "cpu" else None,
+            )
             res = pipe.run()
             return res.tokens / res.wall_s, pipe.stats()
 
@@ -180,12 +233,19 @@ def bench_pipeline(args: list[str]) -> None:
             sync_all_tok_s, _ = run_pipeline("sync", cores)
 
     params = sum(p.numel() for p in target.parameters()) / 1e6
-    print(f"pipeline bench: target {opts['size']} ({params:.0f}M params), drafter {sum(p.numel() for p in drafter0.parameters()) / 1e6:.1f}M, "
-          f"device {device}, dtype {opts['dtype']}, batch {bsz} x seq {seq}, block {opts['block_size']}, "
-          f"{num_anchors} anchors/seq, {steps} steps after {warmup} warm-up, {threads} torch thread(s) per stage")
+    print(
+        f"pipeline bench: target {opts['size']} ({params:.0f}M params), "
+        f"drafter {sum(p.numel() for p in drafter0.parameters()) / 1e6:.1f}M, "
+        f"device {device}, dtype {opts['dtype']}, batch {bsz} x seq {seq}, block {opts['block_size']}, "
+        f"{num_anchors} anchors/seq, {steps} steps after {warmup} warm-up, {threads} torch thread(s) per stage"
+    )
     print(f"{'stage / mode':<28}{'ktok/s':>10}")
-    rows = [("target stand-alone", target_tok_s), ("drafter stand-alone", drafter_tok_s),
-            (f"sync ({threads} thread)", sync_tok_s), (f"async ({threads} thread/stage)", async_tok_s)]
+    rows = [
+        ("target stand-alone", target_tok_s),
+        ("drafter stand-alone", drafter_tok_s),
+        (f"sync ({threads} thread)", sync_tok_s),
+        (f"async ({threads} thread/stage)", async_tok_s),
+    ]
     if sync_all_tok_s:
         rows.append((f"sync ({cores} threads)", sync_all_tok_s))
     for name, v in rows:
@@ -197,8 +257,13 @@ def bench_pipeline(args: list[str]) -> None:
     achieved = step_flops / drafter_step_s / 1e12
     peak = peak_tflops(opts["peak_tflops"], device)
     mfu = f", MFU {achieved / peak:.1%} of {peak:g} TFLOP/s peak" if peak else " (MFU: give peak_tflops=)"
-    print(f"drafter step: {step_flops / 1e9:.2f} GFLOP counted, {drafter_step_s * 1e3:.1f} ms, "
-          f"{achieved:.3f} TFLOP/s{mfu}")
+    print(
+        f"drafter step: {step_flops / 1e9:.2f} GFLOP counted, {drafter_step_s * 1e3:.1f} ms, "
+        f"{achieved:.3f} TFLOP/s{mfu}"
+    )
     t, d = stats["target"], stats["drafter"]
-    print(f"async busy fractions: target {t['busy_s'] / stats['wall_s']:.2f}, drafter {d['busy_s'] / stats['wall_s']:.2f}; "
-          f"hs_queue peak depth {stats['hs_queue_peak_depth']}")
+    print(
+        f"async busy fractions: target {t['busy_s'] / stats['wall_s']:.2f}, "
+        f"drafter {d['busy_s'] / stats['wall_s']:.2f}; "
+        f"hs_queue peak depth {stats['hs_queue_peak_depth']}"
+    )

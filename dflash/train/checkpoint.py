@@ -11,10 +11,14 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from dflash.jsonio import read_json
+from dflash.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +47,7 @@ def model_signature(drafter) -> dict:
 
 
 def save_checkpoint(run_dir: Path, drafter, trainer_state: dict, extra: dict, keep_last: int) -> Path:
-    root = Path(run_dir) / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     root.mkdir(parents=True, exist_ok=True)
     step = int(trainer_state["step"])
     final = root / f"step_{step}"
@@ -53,8 +57,14 @@ def save_checkpoint(run_dir: Path, drafter, trainer_state: dict, extra: dict, ke
     state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
     save_file(state, str(tmp / WEIGHTS))
     torch.save({"trainer": trainer_state, "rng": {"torch": torch.get_rng_state()}}, tmp / STATE)
-    meta = {"step": step, "tokens": int(trainer_state["tokens"]), "signature": model_signature(drafter),
-            "drafter_config": drafter.config.to_dict(), **extra, "complete": True}
+    meta = {
+        "step": step,
+        "tokens": int(trainer_state["tokens"]),
+        "signature": model_signature(drafter),
+        "drafter_config": drafter.config.to_dict(),
+        **extra,
+        "complete": True,
+    }
     (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
     for name in (WEIGHTS, STATE, META):  # on disk before the rename makes the checkpoint look complete
         _fsync(tmp / name)
@@ -81,11 +91,8 @@ def _complete_checkpoints(root: Path) -> list[Path]:
     for d in root.glob("step_*"):
         if d.suffix == ".tmp" or not d.is_dir():
             continue
-        try:
-            meta = json.loads((d / META).read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if meta.get("complete") and (d / WEIGHTS).is_file() and (d / STATE).is_file():
+        meta = read_json(d / META, default={})
+        if isinstance(meta, dict) and meta.get("complete") and (d / WEIGHTS).is_file() and (d / STATE).is_file():
             out.append(d)
     return sorted(out, key=lambda d: int(d.name.split("_")[1]))
 
@@ -97,7 +104,7 @@ def _prune(root: Path, keep_last: int) -> None:
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete checkpoint of a run (incomplete or truncated ones are skipped)."""
-    root = Path(run_dir) / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     if not root.is_dir():
         return None
     ckpts = _complete_checkpoints(root)
@@ -134,18 +141,19 @@ def load_drafter_from_source(source: Path):
     Returns (drafter, target path or None)."""
     from transformers import Qwen3Config
 
-    from dflash.drafter import DFlashDraftModel
+    from dflash.model.drafter import DFlashDraftModel
 
     source = Path(source)
     target = None
-    if (source / "config_resolved.yaml").exists():
+    run = RunDir(source)
+    if run.config_file.exists():
         from omegaconf import OmegaConf
 
-        target = OmegaConf.load(source / "config_resolved.yaml").model.target
+        target = OmegaConf.load(run.config_file).model.target
         ckpt = latest_checkpoint(source)
         if ckpt is None:
-            if (source / "drafter" / "config.json").exists():
-                return DFlashDraftModel.from_pretrained(source / "drafter"), target
+            if (run.drafter / "config.json").exists():
+                return DFlashDraftModel.from_pretrained(run.drafter), target
             raise FileNotFoundError(f"{source}: run has no complete checkpoint and no drafter/")
         source = ckpt
     if (source / META).exists():
@@ -156,3 +164,55 @@ def load_drafter_from_source(source: Path):
     if (source / "config.json").exists():
         return DFlashDraftModel.from_pretrained(source), target
     raise FileNotFoundError(f"{source}: not a run dir, checkpoint dir or drafter dir")
+
+
+class CheckpointManager:
+    """Owns *when* and *how* a run checkpoints: every `checkpoint.every_steps`, once more on every way the run
+    ends (completed, interrupted, failed: at most the current step is lost), `keep_last`, and loading the
+    newest complete checkpoint on resume.
+
+    `extra_state()` supplies what the tracking sinks need back on resume (the W&B run id).
+    """
+
+    def __init__(self, cfg, run_dir: Path, drafter, target_path: str):
+        self.cfg = cfg  # the `checkpoint` config group
+        self.run_dir = Path(run_dir)
+        self.drafter = drafter
+        self.target_path = target_path
+        self.on_saved: Callable[[int, Path], None] = lambda step, path: None
+        self.extra_state: Callable[[], dict] = dict
+        self.resumed_state: dict = {}  # meta.json of the checkpoint a resume loaded
+
+    def should_save(self, step: int) -> bool:
+        return bool(self.cfg.enabled and self.cfg.every_steps and step % self.cfg.every_steps == 0)
+
+    def maybe_save(self, trainer) -> None:
+        if self.should_save(trainer.step):
+            self.save(trainer)
+
+    def save(self, trainer) -> Path:
+        # a resumed job without W&B keeps the resumed id for the next resume that has W&B
+        run_id = self.extra_state().get("wandb_run_id") or self.resumed_state.get("wandb_run_id")
+        extra = {"wandb_run_id": run_id, "target": self.target_path}
+        path = save_checkpoint(self.run_dir, self.drafter, trainer.state_dict(), extra, self.cfg.keep_last)
+        self.on_saved(trainer.step, path)
+        return path
+
+    def save_final(self, trainer) -> Path | None:
+        """The checkpoint of the step the run ended on, unless it exists already or nothing was trained."""
+        if trainer.step == 0 or not self.cfg.enabled:
+            return None
+        last = latest_checkpoint(self.run_dir)
+        if last is not None and last.name == f"step_{trainer.step}":
+            return None
+        return self.save(trainer)
+
+    def resume(self, trainer) -> int | None:
+        """Load the newest complete checkpoint into the drafter and trainer; returns its step (None: none)."""
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is None:
+            log.warning("resume=%s: no complete checkpoint, starting from step 0", self.run_dir)
+            return None
+        self.resumed_state = load_checkpoint(ckpt, self.drafter, trainer)
+        log.info("resuming %s from %s (step %d)", self.run_dir, ckpt.name, trainer.step)
+        return trainer.step

@@ -1,6 +1,6 @@
 """The two stage functions the pipeline runs: the target step (features) and the drafter training step.
 
-Nothing here knows about threads or Hydra: `pipeline.Pipeline` calls `TargetStep` and `DrafterTrainer.step`,
+Nothing here knows about threads or Hydra: `pipeline.Pipeline` calls `TargetForward` and `DrafterTrainer.step`,
 either in sequence (pipeline=sync) or in threads joined by bounded queues (pipeline=async).
 
 Determinism: the anchors and the feature noise of optimizer step t come from generators seeded with
@@ -15,15 +15,16 @@ import math
 import os
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from dflash.blocks import build_training_blocks, gather_positions, sample_anchors
-from dflash.data import Batch
-from dflash.losses import BlockMetricsAccumulator, dflash_loss
-from dflash.schedules import add_feature_noise, lr_at, noise_std_at
+from dflash.data.batches import Batch
+from dflash.model.blocks import build_training_blocks, gather_positions, sample_anchors
+from dflash.model.losses import dflash_loss
+from dflash.train.block_metrics import BlockMetricsAccumulator
+from dflash.train.schedules import add_feature_noise, lr_at, noise_std_at
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class HiddenItem:
     index: int
 
 
-class TargetStep:
+class TargetForward:
     """Batch -> HiddenItem with the frozen target. `fail_at_batch` is a fault-injection hook for tests."""
 
     def __init__(self, target, device: torch.device, fail_at_batch: int | None = None):
@@ -57,7 +58,7 @@ class TargetStep:
     def __call__(self, batch: Batch) -> HiddenItem:
         self.calls += 1
         if self.fail_at_batch is not None and self.calls >= self.fail_at_batch:
-            raise RuntimeError(f"injected target-stage fault at batch {self.calls} (train.fail_target_at_batch)")
+            raise RuntimeError(f"injected target-stage fault at batch {self.calls} (debug.fail_target_at_batch)")
         ids = batch.input_ids.to(self.target.device)
         target_hidden, last_hidden = self.target.features(ids)
         # features are made under no-grad in the target; the drafter only reads them
@@ -87,11 +88,27 @@ def step_generator(seed: int, step: int, stream: int, device: torch.device | str
     return torch.Generator(device=device).manual_seed((seed * 1_000_003 + step) * 8 + stream)
 
 
+def total_steps(train_cfg) -> int:
+    """Optimizer steps of a run: `train.max_steps`, capped by `train.max_tokens` when set."""
+    steps = train_cfg.max_steps
+    if train_cfg.max_tokens:
+        per_step = train_cfg.batch_size * train_cfg.seq_len
+        steps = min(steps, -(-train_cfg.max_tokens // per_step))
+    return int(steps)
+
+
 class DrafterTrainer:
     """One optimizer step per HiddenItem; keeps step/token counters, metrics and the data position."""
 
-    def __init__(self, cfg, target, drafter, mask_token_id: int, total_steps: int,
-                 after_step: Callable[["DrafterTrainer"], None] | None = None):
+    def __init__(
+        self,
+        cfg,
+        target,
+        drafter,
+        mask_token_id: int,
+        total_steps: int,
+        after_step: Callable[[DrafterTrainer], None] | None = None,
+    ):
         self.cfg = cfg
         self.target = target
         self.drafter = drafter
@@ -102,7 +119,9 @@ class DrafterTrainer:
         self.after_step = after_step
         t = cfg.train
         self.optimizer = torch.optim.AdamW(
-            [p for p in drafter.parameters() if p.requires_grad], lr=cfg.schedule.lr, betas=tuple(t.betas),
+            [p for p in drafter.parameters() if p.requires_grad],
+            lr=cfg.schedule.lr,
+            betas=tuple(t.betas),
             weight_decay=t.weight_decay,
         )
         self.lm_head_weight = target.lm_head.weight  # frozen, shared with the target
@@ -150,16 +169,20 @@ class DrafterTrainer:
 
     # --- the step -------------------------------------------------------------------------------------
     def compute_loss(self, item: HiddenItem, step: int, noise_std: float):
-        """Forward of all blocks of a batch in one pass; returns the loss output of dflash.losses."""
+        """Forward of all blocks of a batch in one pass; returns the loss output of dflash.model.losses."""
         cfg, B = self.cfg, self.block_size
-        anchors, valid = sample_anchors(item.loss_mask, cfg.train.num_anchors, B, step_generator(cfg.train.seed, step, 0))
-        blocks = build_training_blocks(item.input_ids, item.loss_mask, anchors, valid, B, self.mask_token_id,
-                                       self.attention)
+        anchors, valid = sample_anchors(
+            item.loss_mask, cfg.train.num_anchors, B, step_generator(cfg.train.seed, step, 0)
+        )
+        blocks = build_training_blocks(
+            item.input_ids, item.loss_mask, anchors, valid, B, self.mask_token_id, self.attention
+        )
         with torch.no_grad():
             noise_embedding = self.target.embed_tokens(blocks.input_ids).to(self.drafter.dtype)
         target_hidden = item.target_hidden.to(self.drafter.dtype)
-        target_hidden = add_feature_noise(target_hidden, noise_std,
-                                          generator=step_generator(cfg.train.seed, step, 1, target_hidden.device))
+        target_hidden = add_feature_noise(
+            target_hidden, noise_std, generator=step_generator(cfg.train.seed, step, 1, target_hidden.device)
+        )
         out = self.drafter(noise_embedding, target_hidden, blocks.position_ids, attention_mask=blocks.attention_mask)
         bsz, n = anchors.shape
         draft_hidden = out.view(bsz, n, B, -1)[:, :, 1:].reshape(bsz * n, B - 1, -1)  # slots 1..B-1
@@ -168,19 +191,27 @@ class DrafterTrainer:
             teacher_hidden = gather_positions(item.last_hidden, blocks.teacher_positions).reshape(bsz * n, B - 1, -1)
         lo = cfg.loss
         return dflash_loss(
-            draft_hidden, blocks.labels.reshape(bsz * n, B - 1), blocks.label_valid.reshape(bsz * n, B - 1),
-            self.lm_head_weight, loss_name=lo.name, block_size=B, decay_gamma=lo.decay_gamma,
-            kl_temperature=lo.kl_temperature, kl_weight=lo.kl_weight, streak_alpha=lo.streak_alpha,
-            teacher_hidden=teacher_hidden, chunk_size=lo.chunk_size,
+            draft_hidden,
+            blocks.labels.reshape(bsz * n, B - 1),
+            blocks.label_valid.reshape(bsz * n, B - 1),
+            self.lm_head_weight,
+            loss_name=lo.name,
+            block_size=B,
+            decay_gamma=lo.decay_gamma,
+            kl_temperature=lo.kl_temperature,
+            kl_weight=lo.kl_weight,
+            streak_alpha=lo.streak_alpha,
+            teacher_hidden=teacher_hidden,
+            chunk_size=lo.chunk_size,
         )
 
-    def step_fn(self, item: HiddenItem) -> bool:
+    def train_on(self, item: HiddenItem) -> bool:
         """Train on one item; returns False once training is done (the pipeline then stops)."""
         if self.done():
             return False
         cfg = self.cfg
-        if cfg.train.fail_at_step is not None and self.step + 1 >= cfg.train.fail_at_step:
-            raise RuntimeError(f"injected drafter-stage fault at step {self.step + 1} (train.fail_at_step)")
+        if cfg.debug.fail_at_step is not None and self.step + 1 >= cfg.debug.fail_at_step:
+            raise RuntimeError(f"injected drafter-stage fault at step {self.step + 1} (debug.fail_at_step)")
         step = self.step
         lr, noise_std = self.lr_for(step), self.noise_for(step)
         for group in self.optimizer.param_groups:
@@ -217,7 +248,7 @@ class DrafterTrainer:
             )
         if self.after_step is not None:
             self.after_step(self)
-        if cfg.train.crash_at_step is not None and self.step >= cfg.train.crash_at_step:
+        if cfg.debug.crash_at_step is not None and self.step >= cfg.debug.crash_at_step:
             os.kill(os.getpid(), signal.SIGKILL)  # fault injection: no cleanup, exactly like kill -9
         return not self.done()
 

@@ -18,16 +18,13 @@ weight sum and can be overridden (a number, a tensor, or a callable that all-red
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from dflash.config import default_decay_gamma
-
-LOSS_NAMES = ("ce_decay", "kl", "kl_streak")
+from dflash.config import LOSS_NAMES, default_decay_gamma
 
 # A denominator override: a number, a 0-dim tensor, or fn(local_weight_sum) -> global_weight_sum
 # (e.g. an all-reduce), which is the only way to share one global sum for data-dependent streak weights.
@@ -223,15 +220,20 @@ def _check_inputs(
         )
     if labels.shape != draft_hidden.shape[:2] or valid.shape != draft_hidden.shape[:2]:
         raise ValueError(
-            f"labels {tuple(labels.shape)} and valid {tuple(valid.shape)} must be [N, B-1] = {tuple(draft_hidden.shape[:2])}"
+            f"labels {tuple(labels.shape)} and valid {tuple(valid.shape)} must be [N, B-1] = "
+            f"{tuple(draft_hidden.shape[:2])}"
         )
     if teacher_hidden is not None and teacher_hidden.shape != draft_hidden.shape:
-        raise ValueError(f"teacher_hidden {tuple(teacher_hidden.shape)} must match draft_hidden {tuple(draft_hidden.shape)}")
+        raise ValueError(
+            f"teacher_hidden {tuple(teacher_hidden.shape)} must match draft_hidden {tuple(draft_hidden.shape)}"
+        )
     if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != draft_hidden.shape[2]:
         raise ValueError(f"lm_head_weight must be [V, H={draft_hidden.shape[2]}]; got {tuple(lm_head_weight.shape)}")
     if lm_head_weight.requires_grad and torch.is_grad_enabled():
-        raise ValueError("lm_head_weight requires grad, but the fused loss treats the LM head as frozen; "
-                         "call lm_head.weight.requires_grad_(False)")
+        raise ValueError(
+            "lm_head_weight requires grad, but the fused loss treats the LM head as frozen; "
+            "call lm_head.weight.requires_grad_(False)"
+        )
     if chunk_size < 1:
         raise ValueError(f"loss.chunk_size={chunk_size} is invalid: must be >= 1")
 
@@ -331,8 +333,9 @@ def dflash_loss(
     ce_full = ce_full.view(n_blocks, width)
     correct = torch.zeros(n_blocks * width, device=hit.device, dtype=torch.bool).index_copy_(0, idx, hit)
     w = position_weights(loss_name, ce_full, valid, block_size, gamma, streak_alpha).reshape(-1).index_select(0, idx)
-    return _finish(per_pos, ce, kl, w, weight_denominator, correct.view(n_blocks, width), valid,
-                   temperature, draft_hidden)
+    return _finish(
+        per_pos, ce, kl, w, weight_denominator, correct.view(n_blocks, width), valid, temperature, draft_hidden
+    )
 
 
 def dflash_loss_naive(
@@ -373,96 +376,26 @@ def dflash_loss_naive(
     w = position_weights(loss_name, ce, valid, block_size, gamma, streak_alpha)
     zero = torch.zeros_like(per_pos)
     # where() so that NaN/inf at invalid positions (e.g. garbage labels) cannot leak into the sum
-    return _finish(torch.where(valid, per_pos, zero), torch.where(valid, ce, zero), torch.where(valid, kl, zero), w,
-                   weight_denominator, correct, valid, temperature, draft_hidden)
+    return _finish(
+        torch.where(valid, per_pos, zero),
+        torch.where(valid, ce, zero),
+        torch.where(valid, kl, zero),
+        w,
+        weight_denominator,
+        correct,
+        valid,
+        temperature,
+        draft_hidden,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
 # Teacher-forced block metrics
 
 
-class BlockMetricsAccumulator:
-    """Sums block metrics over several steps; `compute()` gives the `train/...` dict for a monitor tick.
-
-    Counts stay on the tensors' device between updates (no host sync per step); `compute()` copies them
-    once. update() and compute() may be called from different threads.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.reset()
-
-    def reset(self) -> None:
-        with self._lock:
-            self._valid_per_pos: torch.Tensor | None = None  # (B-1,) int64
-            self._correct_per_pos: torch.Tensor | None = None  # (B-1,) int64
-            self._streak_sum: torch.Tensor | None = None
-            self._num_blocks: torch.Tensor | None = None
-
-    def update(self, correct: torch.Tensor, valid: torch.Tensor) -> None:
-        """correct, valid: Bool [N, B-1]. Invalid positions end a block's streak."""
-        if correct.shape != valid.shape or correct.dim() != 2:
-            raise ValueError(f"correct {tuple(correct.shape)} and valid {tuple(valid.shape)} must both be [N, B-1]")
-        valid = valid.detach().bool()
-        hit = correct.detach().bool() & valid
-        has_valid = valid.any(dim=1)
-        # leading run of correct valid positions: cumprod stays 1 until the first miss
-        leading = torch.cumprod(hit.long(), dim=1).sum(dim=1)
-        streak_sum = ((leading + 1) * has_valid).sum()
-        with self._lock:
-            if self._valid_per_pos is not None and self._valid_per_pos.shape[0] != valid.shape[1]:
-                raise ValueError(
-                    f"block width changed from {self._valid_per_pos.shape[0]} to {valid.shape[1]} positions; reset() first"
-                )
-            if self._valid_per_pos is None:
-                self._valid_per_pos = valid.sum(0)
-                self._correct_per_pos = hit.sum(0)
-                self._streak_sum = streak_sum
-                self._num_blocks = has_valid.sum()
-            else:
-                self._valid_per_pos = self._valid_per_pos + valid.sum(0)
-                self._correct_per_pos = self._correct_per_pos + hit.sum(0)
-                self._streak_sum = self._streak_sum + streak_sum
-                self._num_blocks = self._num_blocks + has_valid.sum()
-
-    def compute(self) -> dict[str, float]:
-        """`train/accuracy`, `train/avg_streak`, `train/acc_pos_<k>` (k = 1..B-1); keys with no data are omitted."""
-        with self._lock:
-            if self._valid_per_pos is None:
-                return {}
-            v = self._valid_per_pos.cpu().tolist()
-            c = self._correct_per_pos.cpu().tolist()
-            streak_sum = int(self._streak_sum.item())
-            num_blocks = int(self._num_blocks.item())
-        out: dict[str, float] = {}
-        if sum(v) > 0:
-            out["train/accuracy"] = sum(c) / sum(v)
-        if num_blocks > 0:
-            out["train/avg_streak"] = streak_sum / num_blocks
-        for k, (vk, ck) in enumerate(zip(v, c), start=1):
-            if vk > 0:
-                out[f"train/acc_pos_{k}"] = ck / vk
-        return out
-
-
-def block_metrics(correct: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
-    """Teacher-forced metrics of one batch; see `BlockMetricsAccumulator`.
-
-    train/accuracy:   top-1 accuracy over valid positions.
-    train/avg_streak: over blocks with a valid position, 1 + number of leading correct valid positions
-                      (the teacher-forced proxy of the acceptance length tau; the anchor counts as 1).
-    train/acc_pos_k:  accuracy at block position k over blocks where k is valid.
-    """
-    acc = BlockMetricsAccumulator()
-    acc.update(correct, valid)
-    return acc.compute()
-
-
 __all__ = [
     "LOSS_NAMES",
-    "BlockMetricsAccumulator",
     "LossOutput",
-    "block_metrics",
     "decay_weights",
     "dflash_loss",
     "dflash_loss_naive",

@@ -23,7 +23,13 @@ from pathlib import Path
 
 import torch
 
-from dflash.data import DEFAULT_HOLDOUT, pack, read_text, stdlib_documents, stdlib_files
+from dflash.data.batches import pack
+from dflash.data.corpus import (
+    DEFAULT_HOLDOUT,
+    read_text,
+    stdlib_documents,
+    stdlib_files,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +48,17 @@ def build_tokenizer(vocab_size: int, texts: list[str]):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", mask_token="<|MASK|>",
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        mask_token="<|MASK|>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
     )
     fast.chat_template = CHAT_TEMPLATE
@@ -58,12 +69,19 @@ def _qwen3_config(b, vocab_size: int, tok):
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        vocab_size=vocab_size, hidden_size=b.hidden_size, intermediate_size=b.intermediate_size,
-        num_hidden_layers=b.num_layers, num_attention_heads=b.num_attention_heads,
-        num_key_value_heads=b.num_key_value_heads, head_dim=b.head_dim,
-        max_position_embeddings=b.max_position_embeddings, tie_word_embeddings=True,
+        vocab_size=vocab_size,
+        hidden_size=b.hidden_size,
+        intermediate_size=b.intermediate_size,
+        num_hidden_layers=b.num_layers,
+        num_attention_heads=b.num_attention_heads,
+        num_key_value_heads=b.num_key_value_heads,
+        head_dim=b.head_dim,
+        max_position_embeddings=b.max_position_embeddings,
+        tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
     )
 
 
@@ -92,8 +110,14 @@ def pretrain(model, train_ids: torch.Tensor, b) -> list[dict]:
     warmup = max(1, b.pretrain_steps // 20)
     history = []
     model.train()
-    with Progress(TextColumn("building tiny target"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TextColumn("loss {task.fields[loss]:.3f}"), TimeRemainingColumn(), transient=False) as bar:
+    with Progress(
+        TextColumn("building tiny target"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("loss {task.fields[loss]:.3f}"),
+        TimeRemainingColumn(),
+        transient=False,
+    ) as bar:
         task = bar.add_task("pretrain", total=b.pretrain_steps, loss=float("nan"))
         for step in range(b.pretrain_steps):
             lr_scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / b.pretrain_steps))
@@ -126,8 +150,12 @@ def build(target_dir: Path, b) -> dict:
     tok = build_tokenizer(b.vocab_size, [read_text(p) for p in train_files])
     config = _qwen3_config(b, len(tok), tok)
     model = Qwen3ForCausalLM(config)
-    info: dict = {"kind": b.kind, "build": asdict(b) if hasattr(b, "__dataclass_fields__") else dict(b),
-                  "vocab_size": len(tok), "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
+    info: dict = {
+        "kind": b.kind,
+        "build": asdict(b) if hasattr(b, "__dataclass_fields__") else dict(b),
+        "vocab_size": len(tok),
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+    }
     if b.pretrain_steps > 0:
         train_ids, _ = pack(stdlib_documents(tok, "train", DEFAULT_HOLDOUT), tok.eos_token_id)
         held_ids, _ = pack(stdlib_documents(tok, "heldout", DEFAULT_HOLDOUT), tok.eos_token_id)
@@ -136,8 +164,9 @@ def build(target_dir: Path, b) -> dict:
         info["history"] = pretrain(model, train_ids, b)
         info["heldout_loss"] = heldout_loss(model, held)
         info["train_tokens"] = int(train_ids.numel())
-        log.info("tiny target built: held-out loss %.3f (from %.3f at init)", info["heldout_loss"],
-                 info["heldout_loss_init"])
+        log.info(
+            "tiny target built: held-out loss %.3f (from %.3f at init)", info["heldout_loss"], info["heldout_loss_init"]
+        )
     info["build_seconds"] = round(time.time() - t0, 1)
     tmp = target_dir.with_name(target_dir.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -107,9 +107,7 @@ def build_training_blocks(
     in_bounds = pos[:, :, 1:] < seq_len
     supervised = torch.gather(loss_mask.bool(), 1, pos_clamped[:, :, 1:].reshape(bsz, -1)).view(bsz, n, -1)
     label_valid = block_valid[:, :, None] & in_bounds & supervised
-    position_ids = torch.cat(
-        [torch.arange(seq_len, device=device).expand(bsz, -1), pos.reshape(bsz, -1)], dim=1
-    )
+    position_ids = torch.cat([torch.arange(seq_len, device=device).expand(bsz, -1), pos.reshape(bsz, -1)], dim=1)
     return TrainingBlocks(
         anchors=anchors,
         block_valid=block_valid,
@@ -119,7 +117,8 @@ def build_training_blocks(
         label_valid=label_valid,
         teacher_positions=pos_clamped[:, :, :-1],  # a_j + k - 1 for k = 1..B-1
         attention_mask=(build_flex_block_mask if attention == "flex" else build_training_attention_mask)(
-            anchors, block_valid, seq_len, block_size),
+            anchors, block_valid, seq_len, block_size
+        ),
     )
 
 

@@ -26,31 +26,25 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import fcntl
-import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from dflash.snapshot import write_json
-from dflash.compare import (
-    CONFIG_FILE,
-    DEFAULT_METRICS,
-    Run,
-    compare_table,
-    find_runs,
-    render,
-    varying_keys,
-)
+from dflash.jsonio import read_json, write_json
+from dflash.rundir import CONFIG_FILE, STATUS_FILE, Run, find_runs
+from dflash.tools.compare import DEFAULT_METRICS, compare_table, varying_keys
+from dflash.tools.compare_cli import render
 
 log = logging.getLogger(__name__)
 
 SWEEP_FILE = "sweep.json"
-# a job dir is any direct child of the sweep dir that Hydra or our snapshot wrote into
-_JOB_MARKERS = (CONFIG_FILE, ".hydra", "status.json")
+# a job dir is any direct child of the sweep dir that Hydra or the run wrote into
+_JOB_MARKERS = (CONFIG_FILE, ".hydra", STATUS_FILE)
 
 
 def _is_multirun(config: DictConfig) -> bool:
@@ -79,10 +73,10 @@ def _job_num(run: Run, sweep_dir: Path) -> int | None:
 
 def _read_previous(path: Path) -> dict[str, str]:
     """hydra_status per run_dir from an earlier sweep.json (another process may have written it)."""
+    data = read_json(path, default={})
     try:
-        data = json.loads(path.read_text())
         return {j["run_dir"]: j["hydra_status"] for j in data.get("jobs", []) if j.get("hydra_status")}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (KeyError, TypeError, AttributeError):
         return {}
 
 
@@ -123,8 +117,9 @@ def _sweep_lock(root: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _summarize_locked(root: Path, metrics: Sequence[str], hydra_status: dict[str, str] | None,
-                      finished: bool) -> dict[str, Any]:
+def _summarize_locked(
+    root: Path, metrics: Sequence[str], hydra_status: dict[str, str] | None, finished: bool
+) -> dict[str, Any]:
     out_path = root / SWEEP_FILE
     known = {**_read_previous(out_path), **(hydra_status or {})}
     runs = sweep_runs(root)
@@ -145,7 +140,7 @@ def _summarize_locked(root: Path, metrics: Sequence[str], hydra_status: dict[str
             "metrics": {m: r.metrics.get(m) for m in metrics},
         }
         if r.status == "unknown" and hs:
-            job["status"] = hs.lower()  # no status.json (failed before the snapshot): Hydra's verdict
+            job["status"] = hs.lower()  # no status.json (failed before the config was written): Hydra's verdict
         if r.status == "running" and (hs or finished):
             job["status_stale"] = True
         jobs.append(job)
@@ -196,7 +191,8 @@ class SweepSummaryCallback(Callback):
                 if job.get("status_stale"):
                     log.warning(
                         "job %s (%s): status.json still says running after the job ended (killed?)",
-                        job["job_num"], job["run_dir"],
+                        job["job_num"],
+                        job["run_dir"],
                     )
             if self.log_table:
                 runs = sweep_runs(sweep_dir)

@@ -1,0 +1,107 @@
+"""The target's own continuations of stdlib prompts as training data (the paper regenerates responses with the
+target), cached in the cache dir keyed by the target's files and the settings."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from dflash.data.corpus import Document, read_text, stdlib_files
+from dflash.data.prompts import sample_prompts
+
+log = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def regenerate_documents(model, tokenizer, prompts: list[list[int]], regen_cfg, seed: int) -> list[Document]:
+    """The target's own continuations: prompt tokens unsupervised, generated tokens supervised.
+    All prompts have the same length, so batches need no padding."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    docs: list[Document] = []
+    device = next(model.parameters()).device
+    torch.manual_seed(seed)
+    bs = regen_cfg.batch_size
+    sample = regen_cfg.temperature > 0
+    with Progress(
+        TextColumn("regenerating data with the target"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} prompts"),
+        TimeRemainingColumn(),
+    ) as bar:
+        task = bar.add_task("regen", total=len(prompts))
+        for i in range(0, len(prompts), bs):
+            x = torch.tensor(prompts[i : i + bs], device=device)
+            out = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=regen_cfg.max_new_tokens,
+                do_sample=sample,
+                temperature=regen_cfg.temperature if sample else None,
+                top_p=None,
+                top_k=None,
+                pad_token_id=tokenizer.eos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            for row in out.tolist():
+                gen = row[x.shape[1] :]
+                if tokenizer.eos_token_id in gen:  # keep the EOS itself: the drafter should learn where text ends
+                    gen = gen[: gen.index(tokenizer.eos_token_id) + 1]
+                docs.append(Document(row[: x.shape[1]] + gen, [False] * x.shape[1] + [True] * len(gen)))
+            bar.update(task, advance=len(x))
+            log.info("regenerated %d/%d prompts", min(i + bs, len(prompts)), len(prompts))
+    return docs
+
+
+def regenerated_corpus(
+    model, tokenizer, target_path: str, data_cfg, seed: int, cache_dir: str | None
+) -> list[Document]:
+    """Regenerated documents, cached under cache_dir keyed by the target's files and the settings."""
+    r = data_cfg.regenerate
+    key_src = json.dumps(
+        {
+            "target": str(Path(target_path).expanduser().resolve())
+            if Path(target_path).expanduser().exists()
+            else target_path,
+            "config": _file_fingerprint(Path(target_path) / "config.json"),
+            "weights": _file_fingerprint(Path(target_path) / "model.safetensors"),
+            # batch_size too: with temperature > 0 it changes the sampling stream
+            "regen": {
+                k: getattr(r, k) for k in ("num_prompts", "prompt_len", "max_new_tokens", "temperature", "batch_size")
+            },
+            "tokenizer": [
+                _file_fingerprint(Path(target_path) / f) for f in ("tokenizer.json", "tokenizer_config.json")
+            ],
+            "holdout": data_cfg.holdout_fraction,
+            "max_files": data_cfg.max_files,
+            "seed": seed,
+        },
+        sort_keys=True,
+    )
+    digest = hashlib.sha1(key_src.encode()).hexdigest()[:16]
+    cache = Path(cache_dir).expanduser() / f"regen-{digest}.json" if cache_dir else None
+    if cache is not None and cache.exists():
+        raw = json.loads(cache.read_text())
+        log.info("regenerated data from cache %s (%d documents)", cache, len(raw))
+        return [Document(d["ids"], [bool(m) for m in d["mask"]]) for d in raw]
+    texts = [read_text(p) for p in stdlib_files("train", data_cfg.holdout_fraction, data_cfg.max_files)]
+    prompts = sample_prompts(tokenizer, texts, r.num_prompts, r.prompt_len, seed)
+    docs = regenerate_documents(model, tokenizer, prompts, r, seed)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(cache.name + ".tmp")
+        tmp.write_text(json.dumps([{"ids": d.ids, "mask": [int(m) for m in d.loss_mask]} for d in docs]))
+        tmp.replace(cache)
+    return docs
+
+
+def _file_fingerprint(path: Path) -> list | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return [st.st_size, int(st.st_mtime)]

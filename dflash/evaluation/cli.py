@@ -1,0 +1,216 @@
+"""`python -m dflash.evaluate RUN_DIR_OR_DRAFTER_DIR`: evaluate an exported drafter against its target.
+
+For a run directory the settings and the prompts come from the run itself (its eval.json records the prompts'
+token ids), so the command reproduces the run's own final evaluation; flags override them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from dflash.config import DTYPE_NAMES, DataConfig, EvalConfig
+from dflash.evaluation.decoding import module_dtype
+from dflash.evaluation.evaluator import choose_prompts, evaluate, untrained_like
+from dflash.model.drafter import DFlashDraftModel
+from dflash.rundir import CONFIG_FILE, RunDir, write_eval_json
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Inputs:
+    drafter_dir: Path
+    target: str
+    run_cfg: Any = None  # the run's resolved config (DictConfig); None for a bare drafter directory
+    run_eval: dict | None = None  # the run's eval.json: its settings and prompts
+
+
+def _resolve_run_target(run: RunDir, target: str) -> str:
+    """A run's model.target may be relative to the directory it was launched from (recorded in run.json)."""
+    looks_local = target.startswith((".", "/", "~")) or target.count("/") > 1
+    if Path(target).expanduser().exists() or not looks_local:
+        return target  # exists, or a hub name
+    cwd = run.read_run_info().get("cwd")
+    if cwd and (Path(cwd) / target).exists():
+        return str(Path(cwd) / target)
+    return target
+
+
+def _resolve_inputs(path: str, target_arg: str | None) -> _Inputs:
+    p = Path(path).expanduser()
+    run = RunDir(p)
+    if run.config_file.is_file():
+        cfg = OmegaConf.load(run.config_file)
+        if not (run.drafter / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{p} is a run directory without an exported drafter ({run.drafter}/config.json); did the run finish?"
+            )
+        target = target_arg or _resolve_run_target(run, str(cfg.model.target))
+        return _Inputs(run.drafter, target, cfg, run.read_eval())
+    if (p / "config.json").is_file():
+        target = target_arg or json.loads((p / "config.json").read_text()).get("dflash_target")
+        if not target:
+            raise ValueError(f"{p}/config.json has no dflash_target field: pass --target PATH_OR_HUB_NAME")
+        return _Inputs(p, str(target))
+    raise FileNotFoundError(f"{path}: neither a run directory ({CONFIG_FILE}) nor a drafter directory (config.json)")
+
+
+def _setting(cli_value, run_cfg, key: str, default):
+    """CLI flag, else the run's eval.<key>, else the default."""
+    if cli_value is not None:
+        return cli_value
+    if run_cfg is not None and run_cfg.get("eval") is not None and run_cfg.eval.get(key) is not None:
+        return run_cfg.eval[key]
+    return default
+
+
+def _seed(args, inputs: _Inputs) -> int:
+    """--seed, else the run's train.seed (its eval prompts, sampling and untrained baseline used it), else 0."""
+    if args.seed is not None:
+        return args.seed
+    return int(OmegaConf.select(inputs.run_cfg, "train.seed", default=0)) if inputs.run_cfg is not None else 0
+
+
+def _load_prompts(args, inputs: _Inputs, tokenizer) -> list[list[int]]:
+    """A run's own eval prompts (token ids from its eval.json) unless flags choose others; else as a run would
+    choose them (`choose_prompts`) from the run's data, or held-out stdlib text for a bare drafter."""
+    chooses = (args.prompts_file, args.num_prompts, args.prompt_len)
+    recorded = (inputs.run_eval or {}).get("prompts")
+    if recorded and all(v is None for v in chooses):
+        log.info("prompts: the %d recorded in the run's eval.json", len(recorded))
+        return [list(map(int, p)) for p in recorded]
+    run_cfg = inputs.run_cfg
+    eval_cfg = OmegaConf.structured(
+        EvalConfig(
+            num_prompts=int(_setting(args.num_prompts, run_cfg, "num_prompts", 8)),
+            prompt_len=int(_setting(args.prompt_len, run_cfg, "prompt_len", 64)),
+            prompts_file=_setting(args.prompts_file, run_cfg, "prompts_file", None),
+        )
+    )
+    # held-out stdlib text for a bare drafter, as the embedded default trains on
+    data_cfg = run_cfg.data if run_cfg is not None else DataConfig(name="stdlib")
+    return choose_prompts(eval_cfg, data_cfg, tokenizer, _seed(args, inputs))
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m dflash.evaluate",
+        description="Speculative decoding of a DFlash drafter against its target: tau, "
+        "acceptance histogram, prompt-lookup and untrained baselines, speedup.",
+    )
+    ap.add_argument("path", help="a run directory (with drafter/) or an exported drafter directory")
+    ap.add_argument(
+        "--target",
+        help="target model path or hub name (default: the run's model.target or the drafter config's dflash_target)",
+    )
+    ap.add_argument("--prompts-file", help='.jsonl with {"prompt": ...} per line, or plain text one per line')
+    ap.add_argument("--num-prompts", type=int)
+    ap.add_argument("--prompt-len", type=int, help="tokens per held-out prompt (when no prompts file)")
+    ap.add_argument("--max-new-tokens", type=int)
+    ap.add_argument("--temperature", type=float)
+    ap.add_argument("--block-size", type=int, help="default: the drafter's block_size")
+    ap.add_argument("--ngram", type=int, help="prompt-lookup n-gram size (default: the run's, else 3)")
+    ap.add_argument("--no-baselines", action="store_true", help="skip prompt lookup and the untrained drafter")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES], help="auto = the drafter's saved dtype")
+    ap.add_argument("--seed", type=int, help="default: the run's train.seed, else 0")
+    ap.add_argument("--out", default="eval.json", help="where to write the JSON result")
+    return ap.parse_args(argv)
+
+
+def _print_table(metrics: dict[str, Any], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in metrics.items():
+        if k == "details":
+            continue
+        table.add_row(
+            k,
+            "n/a"
+            if v is None or (isinstance(v, float) and not math.isfinite(v))
+            else f"{v:.4g}"
+            if isinstance(v, float)
+            else str(v),
+        )
+    Console().print(table)
+
+
+def _run_cli(args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.model.export import check_drafter_against
+    from dflash.model.target import DTYPES, check_target_exists, resolve_device
+
+    inputs = _resolve_inputs(args.path, args.target)
+    check_target_exists(inputs.target)
+    device = resolve_device(args.device)
+    drafter = DFlashDraftModel.from_pretrained(
+        str(inputs.drafter_dir), **({} if args.dtype == "auto" else {"dtype": DTYPES[args.dtype]})
+    )
+    drafter = drafter.to(device).eval()
+    dtype = module_dtype(drafter)
+    target = AutoModelForCausalLM.from_pretrained(inputs.target, dtype=dtype).to(device).eval()
+    try:
+        check_drafter_against(drafter.config, target_config=target.config)
+    except ValueError as e:
+        raise ValueError(f"target {inputs.target} does not fit drafter {inputs.drafter_dir}: {e}") from None
+    tokenizer = AutoTokenizer.from_pretrained(inputs.target)
+    prompts = _load_prompts(args, inputs, tokenizer)
+    temperature = float(_setting(args.temperature, inputs.run_cfg, "temperature", 0.0))
+    max_new_tokens = int(_setting(args.max_new_tokens, inputs.run_cfg, "max_new_tokens", 64))
+    ngram = int(_setting(args.ngram, inputs.run_cfg, "prompt_lookup_ngram", 3))
+    seed = _seed(args, inputs)
+    baselines = not args.no_baselines
+    result = evaluate(
+        target,
+        drafter,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        block_size=args.block_size,
+        temperature=temperature,
+        baselines=baselines,
+        ngram=ngram,
+        untrained_drafter=untrained_like(drafter, seed) if baselines else None,
+        seed=seed,
+        eos_id=tokenizer.eos_token_id,
+        tokenizer=tokenizer,
+    )
+    write_eval_json(
+        args.out,
+        result,
+        drafter=str(inputs.drafter_dir),
+        target=inputs.target,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        seed=seed,
+        prompts=prompts,
+    )
+    _print_table(result, f"DFlash eval: {inputs.drafter_dir}")
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `python -m dflash.evaluate`; returns the exit status (2 for a user error)."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = _parse_args(argv)
+    try:
+        _run_cli(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,342 @@
+"""Evaluation of a drafter: `evaluate` runs target-only, DFlash and the baselines (prompt lookup, the
+untrained drafter) on the same prompts and returns one flat `eval/...` dict plus `details` for eval.json;
+`Evaluator` is the training run's manager of it: the prompts, when to evaluate, the baselines and eval.json.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash.data.prompts import heldout_prompts, read_prompts_file
+from dflash.evaluation.decoding import (
+    EosIds,
+    GenerationResult,
+    acceptance_stats,
+    hf_model,
+    module_device,
+    module_dtype,
+    prompt_lookup_generate,
+    speculative_generate,
+)
+from dflash.model.build import init_drafter
+from dflash.model.drafter import DFlashDraftModel
+from dflash.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+def _tok_s(results: Sequence[GenerationResult]) -> float:
+    tokens = sum(r.decode_tokens for r in results)
+    seconds = sum(r.decode_time_s for r in results)
+    return tokens / seconds if seconds > 0 else float("nan")
+
+
+def frozen_copy(drafter: DFlashDraftModel) -> DFlashDraftModel:
+    """A detached copy of the drafter in eval mode (same device and dtypes, no grads, no optimizer state), so an
+    evaluation sees one consistent set of weights while training continues. Take it between optimizer steps
+    (from the thread that steps), since copying while an update runs could mix old and new weights."""
+    with torch.device("meta"):  # no random init of weights about to be overwritten
+        clone = type(drafter)(copy.deepcopy(drafter.config))
+    with torch.no_grad():
+        state = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+        clone.load_state_dict(state, assign=True, strict=True)
+        # non-persistent buffers (RoPE inv_freq) are not in the state dict
+        src_buffers = dict(drafter.named_buffers())
+        for name, _ in list(clone.named_buffers()):
+            owner_name, _, attr = name.rpartition(".")
+            owner = clone.get_submodule(owner_name) if owner_name else clone
+            owner._buffers[attr] = src_buffers[name].detach().clone()
+    clone.requires_grad_(False)
+    return clone.eval()
+
+
+def untrained_like(drafter: DFlashDraftModel, seed: int = 0) -> DFlashDraftModel:
+    """The drafter as a run with this seed initialised it (`init_drafter`): the `eval/tau_untrained` baseline.
+    The caller's global RNG state is left as it was."""
+    fresh = init_drafter(copy.deepcopy(drafter.config), seed, module_device(drafter), module_dtype(drafter))
+    fresh.requires_grad_(False)
+    return fresh.eval()
+
+
+def _generator(device: torch.device, temperature: float, seed: int) -> torch.Generator | None:
+    if temperature <= 0:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _run_all(
+    fn, prompts: Sequence[Sequence[int]], device: torch.device, temperature: float, seed: int, **kwargs
+) -> list[GenerationResult]:
+    # the same per-prompt seed for every method: at T > 0 they sample from identically seeded generators
+    return [
+        fn(prompt_ids=p, generator=_generator(device, temperature, seed + i), temperature=temperature, **kwargs)
+        for i, p in enumerate(prompts)
+    ]
+
+
+def evaluate(
+    target_model: nn.Module,
+    drafter: DFlashDraftModel,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    block_size: int | None = None,
+    temperature: float = 0.0,
+    baselines: bool = True,
+    ngram: int = 3,
+    untrained_drafter: DFlashDraftModel | None = None,
+    seed: int = 0,
+    eos_id: EosIds = None,
+    tokenizer: Any = None,
+    warmup: bool = True,
+) -> dict[str, Any]:
+    """Speculative decoding of every prompt with the drafter, the target alone and the baselines.
+
+    Returns flat metrics: eval/tau, eval/tau_per_prompt_mean, eval/cycles, eval/acc_hist_<k>, eval/acc_pos_<k>,
+    eval/tok_s, eval/tok_s_target_only, eval/speedup (target-only time per decoded token / DFlash time per decoded
+    token, prefill excluded; = decode-time ratio when both emit the same tokens), eval/lossless (temperature 0
+    only: 1.0 if every DFlash output equals the target-only output), eval/tau_baseline and eval/speedup_baseline
+    (prompt lookup, if `baselines`), eval/tau_untrained (if `untrained_drafter`), eval/num_prompts,
+    eval/new_tokens, eval/time_s; plus `details` (per prompt: prompt length, tokens, accept lengths) for eval.json.
+
+    block_size: None = the drafter's. eos_id: stop token(s); None = always generate max_new_tokens.
+    tokenizer: optional, adds prompt/output text lengths and the output text to `details`.
+    warmup: one short untimed generation first, so lazy initialisation does not count against the first method.
+    The drafter is evaluated in eval mode under no_grad and put back in its previous mode afterwards.
+    """
+    if not prompts:
+        raise ValueError("evaluate: no prompts (eval.num_prompts = 0 or an empty prompts file)")
+    block_size = int(block_size or drafter.block_size)
+    if block_size < 2:
+        raise ValueError(f"block_size={block_size} must be >= 2 to evaluate a drafter")
+    model = hf_model(target_model)
+    device = module_device(model)
+    drafters = [d for d in (drafter, untrained_drafter) if d is not None]
+    modes = [d.training for d in drafters]
+    t_start = time.perf_counter()
+    common = dict(max_new_tokens=max_new_tokens, eos_id=eos_id)
+    try:
+        for d in drafters:
+            d.eval()
+        with torch.no_grad():
+            if warmup:
+                short = dict(max_new_tokens=min(max_new_tokens, 2 * block_size), eos_id=None)
+                speculative_generate(model, None, prompts[0], block_size=1, **short)
+                speculative_generate(model, drafter, prompts[0], block_size=block_size, **short)
+            target_only = _run_all(
+                speculative_generate,
+                prompts,
+                device,
+                temperature,
+                seed,
+                target_model=model,
+                drafter=None,
+                block_size=1,
+                **common,
+            )
+            dflash = _run_all(
+                speculative_generate,
+                prompts,
+                device,
+                temperature,
+                seed,
+                target_model=model,
+                drafter=drafter,
+                block_size=block_size,
+                **common,
+            )
+            lookup = (
+                _run_all(
+                    prompt_lookup_generate,
+                    prompts,
+                    device,
+                    temperature,
+                    seed,
+                    target_model=model,
+                    block_size=block_size,
+                    ngram=ngram,
+                    **common,
+                )
+                if baselines
+                else None
+            )
+            untrained = (
+                _run_all(
+                    speculative_generate,
+                    prompts,
+                    device,
+                    temperature,
+                    seed,
+                    target_model=model,
+                    drafter=untrained_drafter,
+                    block_size=block_size,
+                    **common,
+                )
+                if untrained_drafter is not None
+                else None
+            )
+    finally:
+        for d, mode in zip(drafters, modes):
+            d.train(mode)
+
+    stats = acceptance_stats([r.accept_lengths for r in dflash], block_size)
+    metrics: dict[str, Any] = {f"eval/{k}": v for k, v in stats.items()}
+    tok_s, tok_s_target = _tok_s(dflash), _tok_s(target_only)
+    metrics["eval/tok_s"] = tok_s
+    metrics["eval/tok_s_target_only"] = tok_s_target
+    metrics["eval/speedup"] = tok_s / tok_s_target if tok_s_target > 0 else float("nan")
+    if temperature <= 0:
+        mismatched = [i for i, (d, t) in enumerate(zip(dflash, target_only)) if d.tokens != t.tokens]
+        metrics["eval/lossless"] = 0.0 if mismatched else 1.0
+        if mismatched:
+            log.warning(
+                "greedy DFlash output differs from target-only output on prompts %s (float round-off in "
+                "the batched verify forward, or a bug)",
+                mismatched,
+            )
+    if lookup is not None:
+        metrics["eval/tau_baseline"] = acceptance_stats([r.accept_lengths for r in lookup], block_size)["tau"]
+        metrics["eval/speedup_baseline"] = _tok_s(lookup) / tok_s_target if tok_s_target > 0 else float("nan")
+    if untrained is not None:
+        metrics["eval/tau_untrained"] = acceptance_stats([r.accept_lengths for r in untrained], block_size)["tau"]
+    metrics["eval/num_prompts"] = len(prompts)
+    metrics["eval/new_tokens"] = sum(len(r.tokens) for r in dflash)
+    metrics["eval/time_s"] = time.perf_counter() - t_start
+    metrics["details"] = _details(
+        prompts,
+        dflash,
+        target_only,
+        lookup,
+        untrained,
+        tokenizer,
+        dict(block_size=block_size, max_new_tokens=max_new_tokens, temperature=temperature, ngram=ngram, seed=seed),
+    )
+    log.info(
+        "eval: tau %.3f (prompt lookup %s, untrained %s), speedup %.2fx over %d prompts",
+        metrics["eval/tau"],
+        _fmt(metrics.get("eval/tau_baseline")),
+        _fmt(metrics.get("eval/tau_untrained")),
+        metrics["eval/speedup"],
+        len(prompts),
+    )
+    return metrics
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def _details(prompts, dflash, target_only, lookup, untrained, tokenizer, settings: dict) -> dict:
+    per_prompt = []
+    for i, (p, d, t) in enumerate(zip(prompts, dflash, target_only)):
+        row: dict[str, Any] = {
+            "prompt_len": len(p),
+            "tokens": d.tokens,
+            "accept_lengths": d.accept_lengths,
+            "decode_time_s": d.decode_time_s,
+            "target_only_decode_time_s": t.decode_time_s,
+            "matches_target_only": d.tokens == t.tokens,
+        }
+        if lookup is not None:
+            row["baseline_accept_lengths"] = lookup[i].accept_lengths
+        if untrained is not None:
+            row["untrained_accept_lengths"] = untrained[i].accept_lengths
+        if tokenizer is not None:
+            row["prompt_chars"] = len(tokenizer.decode(list(p)))
+            row["output_text"] = tokenizer.decode(d.tokens)
+        per_prompt.append(row)
+    return {**settings, "prompts": per_prompt}
+
+
+def choose_prompts(eval_cfg, data_cfg, tokenizer, seed: int) -> list[list[int]]:
+    """A run's eval prompts (token ids): `eval.prompts_file`, else `eval.num_prompts` windows of held-out text of
+    the run's data. The one place that chooses them; eval.json records the result."""
+    if eval_cfg.prompts_file:
+        prompts = read_prompts_file(eval_cfg.prompts_file, tokenizer)
+    else:
+        prompts = heldout_prompts(tokenizer, data_cfg, eval_cfg.num_prompts, eval_cfg.prompt_len, seed)
+    return prompts[: eval_cfg.num_prompts]
+
+
+class Evaluator:
+    """A training run's evaluations: the prompts (chosen once), when to evaluate (`should_eval`), the baselines
+    (prompt lookup and the drafter as initialised, at the final eval), and eval.json with the prompts' token
+    ids, so `python -m dflash.evaluate RUN_DIR` can repeat the final eval exactly.
+
+    `on_result(metrics)` receives every eval's flat metrics with `step` (the run points it at its callbacks).
+    """
+
+    def __init__(self, cfg, target, drafter: DFlashDraftModel, tokenizer, run: RunDir):
+        self.cfg = cfg.eval
+        self.block_size = cfg.model.block_size
+        self.seed = cfg.train.seed
+        self.target, self.drafter, self.tokenizer, self.run = target, drafter, tokenizer, run
+        self.prompts = choose_prompts(cfg.eval, cfg.data, tokenizer, self.seed) if cfg.eval.num_prompts else []
+        # the drafter before training: the baseline that shows what training bought
+        self.untrained = copy.deepcopy(drafter).eval() if self.cfg.baselines and self.prompts else None
+        self.on_result = lambda metrics: None
+
+    def should_eval(self, step: int, done: bool) -> bool:
+        """Periodic evals at every `eval.every_steps`; the last step gets the final eval instead."""
+        return bool(self.prompts and self.cfg.every_steps and step % self.cfg.every_steps == 0 and not done)
+
+    def maybe_eval(self, trainer) -> None:
+        if self.should_eval(trainer.step, trainer.done()):
+            self.evaluate(trainer.step)
+
+    def evaluate(self, step: int, final: bool = False) -> dict[str, float]:
+        """Evaluate the drafter's current weights; the final eval adds the baselines and writes eval.json."""
+        if not self.prompts:
+            return {}
+        snapshot = frozen_copy(self.drafter)  # a consistent copy; training may go on in other threads
+        t0 = time.time()
+        result = evaluate(
+            self.target.model,
+            snapshot,
+            self.prompts,
+            max_new_tokens=self.cfg.max_new_tokens,
+            block_size=self.block_size,
+            temperature=self.cfg.temperature,
+            baselines=self.cfg.baselines and final,
+            ngram=self.cfg.prompt_lookup_ngram,
+            untrained_drafter=self.untrained if final else None,
+            seed=self.seed,
+            eos_id=self.tokenizer.eos_token_id,
+            tokenizer=self.tokenizer,
+        )
+        details = result.pop("details", None)
+        metrics = {k: float(v) for k, v in result.items() if isinstance(v, (int, float))}
+        log.info(
+            "eval at step %d: tau %.3f%s (%.1fs)",
+            step,
+            metrics.get("eval/tau", float("nan")),
+            f", prompt-lookup {metrics['eval/tau_baseline']:.3f}" if "eval/tau_baseline" in metrics else "",
+            time.time() - t0,
+        )
+        self.on_result({"step": step, **metrics})
+        if final:
+            self.run.write_eval(
+                {**metrics, "details": details},
+                step=step,
+                block_size=self.block_size,
+                seed=self.seed,
+                prompts=self.prompts,
+            )
+        return metrics
+
+    def final(self, step: int) -> dict[str, float]:
+        """The final eval, once per step: a resumed, already completed run finds it in eval.json."""
+        if not self.cfg.final or not self.prompts:
+            return {}
+        done = self.run.read_eval()
+        if done is not None and done.get("step") == step:
+            log.info("final eval at step %d already in eval.json; not repeated", step)
+            return {k: v for k, v in done["metrics"].items() if isinstance(v, (int, float))}
+        return self.evaluate(step, final=True)

@@ -1,0 +1,100 @@
+"""A drafter for a target: its config (shapes from the target and `model.*`), the mask token, and a seeded
+initialisation that the run and `python -m dflash.evaluate` share (the untrained baseline is reproducible)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dflash.config import ConfigError
+from dflash.model.drafter import DFlashDraftModel
+
+log = logging.getLogger(__name__)
+
+
+def build_drafter_config(target_config, model_cfg, target_layer_ids: list[int], mask_token_id: int):
+    """The drafter's Qwen3Config: hidden size and vocabulary from the target (embeddings and LM head are shared),
+    attention/MLP shape from model.draft_* (default: the target's), all layers full, non-causal attention."""
+    from transformers import Qwen3Config
+
+    n = model_cfg.num_draft_layers
+    heads = model_cfg.draft_num_attention_heads or target_config.num_attention_heads
+    head_dim = (
+        model_cfg.draft_head_dim
+        or getattr(target_config, "head_dim", None)
+        or (target_config.hidden_size // target_config.num_attention_heads)
+    )
+    kv_heads = model_cfg.draft_num_key_value_heads or target_config.num_key_value_heads
+    if heads % kv_heads:
+        raise ConfigError(
+            f"model.draft_num_attention_heads={heads} is invalid with model.draft_num_key_value_heads={kv_heads} "
+            "(null = the target's): the query heads must be a multiple of the key/value heads"
+        )
+    # The drafter applies plain RoPE (dflash/drafter.py), so its config says exactly that: copying a target's
+    # scaled RoPE (yarn, ...) would make serving engines apply a scaling the drafter was not trained with.
+    target_rope = dict(getattr(target_config, "rope_parameters", None) or {})
+    theta = float(target_rope.get("rope_theta", getattr(target_config, "rope_theta", None) or 10000.0))
+    if target_rope.get("rope_type", "default") != "default":
+        log.warning(
+            "the target uses rope_type=%s; the drafter uses plain RoPE (theta %g) and its config says so",
+            target_rope["rope_type"],
+            theta,
+        )
+    rope = {"rope_type": "default", "rope_theta": theta}
+    cfg = Qwen3Config(
+        vocab_size=target_config.vocab_size,
+        hidden_size=target_config.hidden_size,
+        intermediate_size=model_cfg.draft_intermediate_size or target_config.intermediate_size,
+        num_hidden_layers=n,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        hidden_act="silu",
+        max_position_embeddings=target_config.max_position_embeddings,
+        rms_norm_eps=target_config.rms_norm_eps,
+        rope_parameters=rope,
+        attention_bias=False,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=n,
+        layer_types=["full_attention"] * n,
+    )
+    cfg.architectures = ["DFlashDraftModel"]
+    cfg.auto_map = {"AutoModel": "dflash.DFlashDraftModel"}
+    cfg.block_size = int(model_cfg.block_size)
+    cfg.num_target_layers = int(target_config.num_hidden_layers)
+    cfg.dflash_config = {
+        "mask_token_id": int(mask_token_id),
+        "target_layer_ids": [int(i) for i in target_layer_ids],
+        "block_size": int(model_cfg.block_size),
+    }
+    return cfg
+
+
+def resolve_mask_token_id(model_cfg, tokenizer, vocab_size: int) -> int:
+    """`model.mask_token_id`, else the id of the tokenizer's `model.mask_token`; checked against the vocabulary."""
+    mid = model_cfg.mask_token_id
+    if mid is None:
+        tok_id = tokenizer.convert_tokens_to_ids(model_cfg.mask_token)
+        if tok_id is None or tok_id == tokenizer.unk_token_id:
+            raise ConfigError(
+                f"model.mask_token_id=None and the tokenizer has no {model_cfg.mask_token!r} token: set "
+                "model.mask_token_id to an unused embedding row (Qwen3: 151669)"
+            )
+        mid = tok_id
+    if not 0 <= mid < vocab_size:
+        raise ConfigError(f"model.mask_token_id={mid} is invalid: outside the target's vocabulary of {vocab_size}")
+    return int(mid)
+
+
+def init_drafter(
+    config, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> DFlashDraftModel:
+    """A freshly initialised drafter, its weights drawn from `seed` alone (the caller's RNG state is left as it
+    was), so the same config and seed give the same weights wherever they are built."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        drafter = DFlashDraftModel(config)
+    return drafter.to(device=device, dtype=dtype)

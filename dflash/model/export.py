@@ -1,0 +1,102 @@
+"""Drafter config, export in z-lab's layout, and checked loading.
+
+An exported drafter directory holds `config.json` (Qwen3 fields + `architectures: ["DFlashDraftModel"]`,
+`auto_map`, top-level `block_size`, `num_target_layers`, `rope_theta`, `dflash_config`), `model.safetensors`
+(unprefixed keys, no embed_tokens / lm_head) and `dflash.py` (a copy of dflash/drafter.py), so z-lab's
+`AutoModel.from_pretrained(dir, trust_remote_code=True)`, SGLang and vLLM load it.
+
+    python -m dflash.export CHECKPOINT_OR_RUN_DIR OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+
+from dflash.model.drafter import DFlashDraftModel
+
+log = logging.getLogger(__name__)
+
+DRAFTER_SOURCE = Path(__file__).with_name("drafter.py")
+
+
+def export_drafter(
+    drafter: DFlashDraftModel, out_dir: Path, dtype: torch.dtype | None = None, target: str | None = None
+) -> Path:
+    """Write the drafter in z-lab's layout to out_dir (replaced atomically)."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model = drafter
+    if dtype is not None and dtype != next(drafter.parameters()).dtype:
+        import copy
+
+        model = copy.deepcopy(drafter).to(dtype)
+    model.save_pretrained(tmp, safe_serialization=True)
+    shutil.copyfile(DRAFTER_SOURCE, tmp / "dflash.py")
+    cfg_path = tmp / "config.json"
+    config = json.loads(cfg_path.read_text())
+    rope = config.get("rope_parameters") or {}
+    config["rope_theta"] = rope.get("rope_theta", config.get("rope_theta", 10000.0))  # z-lab MLX loader reads it
+    config["rope_scaling"] = None
+    # transformers drops these on save for a class it did not load remotely: write them explicitly
+    config["architectures"] = ["DFlashDraftModel"]
+    config["auto_map"] = {"AutoModel": "dflash.DFlashDraftModel"}
+    for key in ("block_size", "num_target_layers", "dflash_config"):
+        config[key] = getattr(drafter.config, key)
+    config["is_causal"] = False  # vLLM reads it; sliding layers would otherwise be treated as causal
+    if target is not None:
+        config["dflash_target"] = target  # ours: lets `python -m dflash.evaluate DRAFTER_DIR` find the target
+    cfg_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def check_drafter_against(
+    drafter_config, *, target_config=None, mask_token_id: int | None = None, target_layer_ids: list[int] | None = None
+) -> None:
+    """Refuse a drafter whose mask id or target layers do not match the run or target (clear error, not silent)."""
+    dc = getattr(drafter_config, "dflash_config", None) or {}
+    if mask_token_id is not None and dc.get("mask_token_id") != mask_token_id:
+        raise ValueError(
+            f"drafter dflash_config.mask_token_id={dc.get('mask_token_id')} but the target's tokenizer mask id is "
+            f"{mask_token_id}: the drafter was trained with a different mask token"
+        )
+    if target_layer_ids is not None and list(dc.get("target_layer_ids", [])) != list(target_layer_ids):
+        raise ValueError(
+            f"drafter dflash_config.target_layer_ids={dc.get('target_layer_ids')} but {list(target_layer_ids)} "
+            "were expected: the drafter reads different target layers"
+        )
+    if target_config is not None:
+        if drafter_config.hidden_size != target_config.hidden_size:
+            raise ValueError(
+                f"drafter hidden_size {drafter_config.hidden_size} != target hidden_size {target_config.hidden_size}"
+            )
+        n = target_config.num_hidden_layers
+        bad = [i for i in dc.get("target_layer_ids", []) if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"drafter dflash_config.target_layer_ids {bad} are outside the target's {n} layers")
+        mid = dc.get("mask_token_id")
+        if mid is not None and not 0 <= mid < target_config.vocab_size:
+            raise ValueError(
+                f"drafter mask_token_id {mid} is outside the target's vocabulary ({target_config.vocab_size})"
+            )
+
+
+def load_drafter(path: str | Path, **expect) -> DFlashDraftModel:
+    """Load an exported drafter directory with our class, after checking it against `expect` (see
+    check_drafter_against)."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path}: not a drafter directory (no config.json)")
+    config = AutoConfig.from_pretrained(path)
+    check_drafter_against(config, **expect)
+    return DFlashDraftModel.from_pretrained(path)

@@ -1,0 +1,85 @@
+"""`resume=RUN_DIR`: continue a run in its own directory with its saved config.
+
+Overrides on the resuming command may change anything but the model (the checkpoint's weights fit only it)
+and the data stream (the checkpoint's data position counts its batches); those are refused before anything
+in the run directory is touched.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from dflash.config import ConfigError
+from dflash.rundir import CONFIG_FILE
+
+# Keys a resume may not change: the model (the checkpoint's weights fit only it), and the data stream (the
+# checkpoint's data position counts batches of this stream). Groups are refused by name too (`model=...`).
+_DATA_STREAM = "would change the data stream (the checkpoint's data position counts its batches) of"
+_FROZEN_ON_RESUME = {
+    "model": "would change the model of",
+    "data": _DATA_STREAM,
+    "train.batch_size": _DATA_STREAM,
+    "train.seq_len": _DATA_STREAM,
+    "train.seed": "would change the data order and per-step randomness of",
+}
+
+
+def _frozen_reason(key: str) -> str | None:
+    for frozen, reason in _FROZEN_ON_RESUME.items():
+        if key == frozen or key.startswith(frozen + "."):
+            return reason
+    return None
+
+
+# keys that moved since a run was saved: old name -> new name
+_MOVED_KEYS = {
+    "train.fail_at_step": "debug.fail_at_step",
+    "train.crash_at_step": "debug.crash_at_step",
+    "train.fail_target_at_batch": "debug.fail_target_at_batch",
+}
+
+
+def _upgrade(saved: DictConfig) -> DictConfig:
+    """A config saved by an older version, with moved keys under their new names (fault injection was `train.*`)."""
+    for old, new in _MOVED_KEYS.items():
+        group, _, key = old.partition(".")
+        if group in saved and key in saved[group]:
+            value = saved[group].pop(key)
+            OmegaConf.update(saved, new, value, force_add=True)
+    return saved
+
+
+def resume_config(cfg: DictConfig, job_dir: Path, overrides: list[str]) -> DictConfig:
+    """Continue RUN_DIR with its saved config; explicit overrides of this command may change anything but the
+    model and the data stream (e.g. `train.max_steps` to train longer, `logging.*`, `eval.*`)."""
+    run_dir = Path(cfg.resume).expanduser()
+    saved_path = run_dir / CONFIG_FILE
+    if not saved_path.exists():
+        raise FileNotFoundError(f"resume={cfg.resume!r}: no {CONFIG_FILE} there (not a run directory)")
+    if run_dir.resolve() != Path(job_dir).resolve():
+        raise ConfigError(
+            f"resume={cfg.resume!r} continues that run in its own directory, but this job's directory is "
+            f"{job_dir}: drop hydra.run.dir, and resume one run per command (not with -m)"
+        )
+    saved = _upgrade(OmegaConf.load(saved_path))
+    overrides = [o for o in overrides if not o.startswith(("hydra.", "resume=", "+resume="))]
+    changes = [o.lstrip("+~") for o in overrides]
+    refused = {}
+    for o in changes:
+        reason = _frozen_reason(o.split("=", 1)[0])
+        if reason:
+            refused.setdefault(reason, []).append(o)
+    if refused:
+        raise ConfigError(
+            "; ".join(f"resume: {', '.join(keys)} {reason} {run_dir}" for reason, keys in refused.items())
+            + "; a resumed run keeps its model and data (start a new run instead)"
+        )
+    merged = OmegaConf.merge(cfg, saved)  # typed node from this composition, values from the saved run
+    for o in changes:
+        key = o.split("=", 1)[0]
+        # the value as this command's composition parsed it (types, null, lists)
+        OmegaConf.update(merged, key, OmegaConf.select(cfg, key), merge=False)
+    merged.resume = str(run_dir)
+    return merged

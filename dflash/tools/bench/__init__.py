@@ -1,0 +1,32 @@
+"""`python -m dflash.bench NAME [key=value ...]`: benchmarks that print ratios measured side by side in one run.
+
+Benchmarks are not tests: they print numbers for a person to read. Add one as a module here with a
+`bench(args)` function and list it in `BENCHES`.
+
+loss: the fused chunked loss (`dflash_loss`) against full-logits autograd (`dflash_loss_naive`) at
+      Qwen3-8B shapes (hidden 4096, vocab 151936), kl_streak, forward + backward. Each variant runs in a
+      fresh subprocess; its peak memory is the rise of the process's resident high-water mark
+      (getrusage ru_maxrss) over the mark taken once the inputs exist, so it counts what the loss itself
+      allocates (logits, softmaxes, gradients), on CPU or, for cuda, torch.cuda.max_memory_allocated.
+      Options: blocks=70 block_size=16 hidden=4096 vocab=151936 dtype=float32 chunk_size=256 repeats=2
+      device=cpu.
+pipeline: pipeline=async against pipeline=sync on the same config with the real stages; see
+      dflash/tools/bench/pipeline.py for what is measured and its options.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> module whose `bench(args)` runs it; imported on use, so `--help` needs no torch
+BENCHES = {"loss": "dflash.tools.bench.loss", "pipeline": "dflash.tools.bench.pipeline"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in BENCHES:
+        names = ", ".join(sorted(BENCHES))
+        print(f"usage: python -m dflash.bench NAME [key=value ...]\n  NAME: one of {names}", file=sys.stderr)
+        raise SystemExit(2)
+    importlib.import_module(BENCHES[argv[0]]).bench(argv[1:])

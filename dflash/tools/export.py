@@ -1,0 +1,40 @@
+"""`python -m dflash.export SOURCE OUT [--dtype bfloat16]`: export a checkpoint, a run's latest checkpoint or a
+drafter directory in z-lab's layout (dflash.model.export), ready for z-lab's loader, SGLang and vLLM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from dflash.config import DTYPE_NAMES
+from dflash.model.export import export_drafter
+from dflash.model.target import DTYPES
+from dflash.train.checkpoint import load_drafter_from_source
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m dflash.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "source", help="a checkpoint dir (checkpoints/step_N), a run dir (latest checkpoint), or a drafter dir"
+    )
+    p.add_argument("out", help="output directory")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        drafter, target = load_drafter_from_source(Path(args.source))
+    except (FileNotFoundError, ValueError) as e:  # a wrong path or a checkpoint that does not fit: the user's to fix
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    out = export_drafter(drafter, Path(args.out), dtype=dtype, target=target)
+    print(f"exported drafter to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

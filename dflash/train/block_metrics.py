@@ -1,0 +1,87 @@
+"""Teacher-forced block metrics of the drafter stage: accuracy, per-position acceptance and avg streak
+(1 + leading correct positions per block, the teacher-forced estimate of tau).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class BlockMetricsAccumulator:
+    """Sums block metrics over several steps; `compute()` gives the `train/...` dict for a monitor tick.
+
+    Counts stay on the tensors' device between updates (no host sync per step); `compute()` copies them
+    once. update() and compute() may be called from different threads.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._valid_per_pos: torch.Tensor | None = None  # (B-1,) int64
+            self._correct_per_pos: torch.Tensor | None = None  # (B-1,) int64
+            self._streak_sum: torch.Tensor | None = None
+            self._num_blocks: torch.Tensor | None = None
+
+    def update(self, correct: torch.Tensor, valid: torch.Tensor) -> None:
+        """correct, valid: Bool [N, B-1]. Invalid positions end a block's streak."""
+        if correct.shape != valid.shape or correct.dim() != 2:
+            raise ValueError(f"correct {tuple(correct.shape)} and valid {tuple(valid.shape)} must both be [N, B-1]")
+        valid = valid.detach().bool()
+        hit = correct.detach().bool() & valid
+        has_valid = valid.any(dim=1)
+        # leading run of correct valid positions: cumprod stays 1 until the first miss
+        leading = torch.cumprod(hit.long(), dim=1).sum(dim=1)
+        streak_sum = ((leading + 1) * has_valid).sum()
+        with self._lock:
+            if self._valid_per_pos is not None and self._valid_per_pos.shape[0] != valid.shape[1]:
+                raise ValueError(
+                    f"block width changed from {self._valid_per_pos.shape[0]} to {valid.shape[1]} positions; "
+                    "reset() first"
+                )
+            if self._valid_per_pos is None:
+                self._valid_per_pos = valid.sum(0)
+                self._correct_per_pos = hit.sum(0)
+                self._streak_sum = streak_sum
+                self._num_blocks = has_valid.sum()
+            else:
+                self._valid_per_pos = self._valid_per_pos + valid.sum(0)
+                self._correct_per_pos = self._correct_per_pos + hit.sum(0)
+                self._streak_sum = self._streak_sum + streak_sum
+                self._num_blocks = self._num_blocks + has_valid.sum()
+
+    def compute(self) -> dict[str, float]:
+        """`train/accuracy`, `train/avg_streak`, `train/acc_pos_<k>` (k = 1..B-1); keys with no data are omitted."""
+        with self._lock:
+            if self._valid_per_pos is None:
+                return {}
+            v = self._valid_per_pos.cpu().tolist()
+            c = self._correct_per_pos.cpu().tolist()
+            streak_sum = int(self._streak_sum.item())
+            num_blocks = int(self._num_blocks.item())
+        out: dict[str, float] = {}
+        if sum(v) > 0:
+            out["train/accuracy"] = sum(c) / sum(v)
+        if num_blocks > 0:
+            out["train/avg_streak"] = streak_sum / num_blocks
+        for k, (vk, ck) in enumerate(zip(v, c), start=1):
+            if vk > 0:
+                out[f"train/acc_pos_{k}"] = ck / vk
+        return out
+
+
+def block_metrics(correct: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
+    """Teacher-forced metrics of one batch; see `BlockMetricsAccumulator`.
+
+    train/accuracy:   top-1 accuracy over valid positions.
+    train/avg_streak: over blocks with a valid position, 1 + number of leading correct valid positions
+                      (the teacher-forced proxy of the acceptance length tau; the anchor counts as 1).
+    train/acc_pos_k:  accuracy at block position k over blocks where k is valid.
+    """
+    acc = BlockMetricsAccumulator()
+    acc.update(correct, valid)
+    return acc.compute()
