@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test lint format bench clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,15 @@ run: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# what CI runs before the tests; `make format` fixes what it can
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: setup
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
 
 bench: setup
 	$(PY) -m dflash.bench $(or $(BENCH),loss)
