@@ -1,5 +1,7 @@
-"""Entry point: `python launch.py [group=option ...] [key=value ...]`, `-m` for sweeps. See README.md."""
+"""Entry point: `python launch.py [group=option ...] [key=value ...]`, `-m` for sweeps; under torchrun every
+rank runs it (`torchrun --nproc-per-node=N launch.py parallel=ddp ...`). See README.md."""
 
+import atexit
 import sys
 from pathlib import Path
 
@@ -38,5 +40,8 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    sys.argv = _route_resume(sys.argv)
+    from dflash.distributed import agree_on_launch, shutdown
+
+    atexit.register(shutdown)  # torchrun: leave the process group once, after every job of a multirun
+    sys.argv = agree_on_launch(_route_resume(sys.argv))
     main()

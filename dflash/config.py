@@ -33,6 +33,8 @@ WANDB_MODES = ("online", "offline", "disabled")
 DATA_NAMES = ("stdlib", "jsonl")
 BAD_RECORD_POLICIES = ("fail", "skip")
 PIPELINE_MODES = ("async", "sync")
+PARALLEL_NAMES = ("single", "ddp", "fsdp")
+BACKENDS = ("auto", "nccl", "gloo")
 
 DEFAULT_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -150,7 +152,6 @@ class PipelineConfig:
     queue_size: int = 4  # items per queue
     queue_bytes: int | None = None  # optional byte cap per queue (null = items only)
     target_workers: int = 1
-    drafter_workers: int = 1
     monitor_interval_s: float = 2.0
     join_timeout_s: float = 20.0
     threads_per_stage: int | None = None  # CPU: torch threads per stage (null = cores / stages)
@@ -185,12 +186,26 @@ class TrainConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How many processes train one drafter. `single`: one process (no torch.distributed). `ddp` / `fsdp`:
+    one process per device under torchrun (or SLURM through submitit), data-parallel drafter replicas
+    (DistributedDataParallel, or FSDP2 `fully_shard` per decoder layer); `train.batch_size` is the global batch."""
+
+    name: str = "single"  # single | ddp | fsdp
+    backend: str = "auto"  # auto = nccl on CUDA, gloo on CPU
+    init_timeout_s: float = 300.0  # joining the process group (ranks may wait for each other's preprocessing)
+    timeout_s: float = 1800.0  # any later collective; long enough for rank 0's evals while the others wait
+    mixed_precision: bool = True  # fsdp on CUDA: bf16 compute, fp32 gradient reduction
+
+
+@dataclass
 class DebugConfig:
     """Fault injection for tests and drills (`+debug=faults debug.fail_at_step=3`); all off by default."""
 
     fail_at_step: int | None = None  # raise in the drafter stage at this step
     fail_target_at_batch: int | None = None  # raise in the target stage at this batch
     crash_at_step: int | None = None  # SIGKILL the whole process after this step (a node crash)
+    fail_rank: int | None = None  # with torchrun: inject the faults above on this rank only (null = every rank)
 
 
 @dataclass
@@ -217,6 +232,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     experiment: str | None = None
     resume: str | None = None  # a run directory to continue
@@ -224,6 +240,12 @@ class Config:
 
 def register_configs() -> None:
     ConfigStore.instance().store(name="base_config", node=Config)
+    # `${launch_time:FMT}` names run directories; launch.py replaces it with the time every rank agrees on
+    if not OmegaConf.has_resolver("launch_time"):
+        import datetime
+
+        start = datetime.datetime.now()
+        OmegaConf.register_new_resolver("launch_time", lambda fmt: start.strftime(fmt))
 
 
 def _check(ok: bool, key: str, value: Any, rule: str) -> None:
@@ -328,16 +350,16 @@ def validate(cfg: DictConfig | Config) -> None:
     _one_of("pipeline.mode", p.mode, PIPELINE_MODES)
     _check(p.queue_size >= 1, "pipeline.queue_size", p.queue_size, "must be >= 1")
     _check(p.target_workers >= 1, "pipeline.target_workers", p.target_workers, "must be >= 1")
-    _check(
-        p.drafter_workers == 1,
-        "pipeline.drafter_workers",
-        p.drafter_workers,
-        "only 1 is supported on one process (more drafter ranks come with torchrun)",
-    )
     _check(p.monitor_interval_s > 0, "pipeline.monitor_interval_s", p.monitor_interval_s, "must be > 0")
     _check(p.join_timeout_s > 0, "pipeline.join_timeout_s", p.join_timeout_s, "must be > 0")
     _optional_at_least("pipeline.queue_bytes", p.queue_bytes, 1)
     _optional_at_least("pipeline.threads_per_stage", p.threads_per_stage, 1)
+
+    par = c.parallel
+    _one_of("parallel.name", par.name, PARALLEL_NAMES)
+    _one_of("parallel.backend", par.backend, BACKENDS)
+    _check(par.init_timeout_s > 0, "parallel.init_timeout_s", par.init_timeout_s, "must be > 0")
+    _check(par.timeout_s > 0, "parallel.timeout_s", par.timeout_s, "must be > 0")
 
     e = c.eval
     _check(e.every_steps >= 0, "eval.every_steps", e.every_steps, "must be >= 0 (0 = final eval only)")

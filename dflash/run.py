@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from dflash.config import resolve_target_layer_ids, validate
-from dflash.data.batches import PackedBatches, build_batches
+from dflash.config import ConfigError, resolve_target_layer_ids, validate
+from dflash.data.batches import PackedBatches, build_batches, rank_batches
 from dflash.data.corpus import jsonl_files, load_tokenizer
+from dflash.distributed import World, init_world, launch_rank
 from dflash.evaluation.evaluator import Evaluator
 from dflash.model.build import build_drafter_config, init_drafter, resolve_mask_token_id
 from dflash.model.export import export_drafter
@@ -33,7 +34,8 @@ from dflash.rundir import RunDir, StatusFile
 from dflash.secrets import redact
 from dflash.tools.tiny import ensure_target
 from dflash.tracking import CallbackList, RunInfo, build_callbacks, default_job_name
-from dflash.train.checkpoint import CheckpointManager
+from dflash.train.checkpointer import CheckpointManager
+from dflash.train.parallelize import full_state_dict, parallelize_drafter, plain_copy
 from dflash.train.pipeline import Pipeline
 from dflash.train.trainer import DrafterTrainer, TargetForward, total_steps
 
@@ -76,42 +78,71 @@ class Job:
     trainer: DrafterTrainer
     checkpoints: CheckpointManager
     evaluator: Evaluator
+    world: World = field(default_factory=World)
+    model: torch.nn.Module | None = None  # the drafter as wrapped for data parallelism
+
+    def gather_drafter(self) -> torch.nn.Module | None:
+        """The whole trained drafter, unwrapped, on rank 0 (None elsewhere): the drafter itself in one
+        process; under ddp/fsdp its full weights gathered from the ranks (a collective)."""
+        if not self.world.distributed:
+            return self.drafter
+        state = full_state_dict(self.model, self.world)
+        return plain_copy(self.drafter, state, self.device) if self.world.is_main else None
 
 
 def main(cfg: DictConfig, info: JobInfo | None = None) -> float | None:
-    """Run one job in its Hydra run directory. Returns the final eval/tau (Hydra sweepers may use it)."""
+    """Run one job in its Hydra run directory. Returns the final eval/tau (Hydra sweepers may use it).
+    Under torchrun every rank runs this; rank 0 alone writes the run directory."""
     info = info or hydra_job_info()
     run = RunDir(info.run_dir)
     if cfg.resume:  # checked before anything is written: a refused resume leaves RUN_DIR as it was
         cfg = resume_config(cfg, info.run_dir, info.overrides)
         validate(cfg)
-    run.path.mkdir(parents=True, exist_ok=True)
-    status = StatusFile(run.path)
-    status.running()
+    is_main = launch_rank() == 0  # known before the World exists: joining it may fail, and that is recorded
+    status = StatusFile(run.path) if is_main else None
+    if is_main:
+        run.path.mkdir(parents=True, exist_ok=True)
+        status.running()
     stop = threading.Event()
     previous = _install_signal_handlers(
         stop,
-        lambda name: status.finish("interrupted", error=f"second {name}: exited at once, without a final checkpoint"),
+        lambda name: (
+            status and status.finish("interrupted", error=f"second {name}: exited at once, without a final checkpoint")
+        ),
     )
+    world = None
     try:
-        run.write_config(cfg)
-        if cfg.resume:
-            run.append_resume(info.overrides)
-        else:
-            run.write_run_info(info.overrides, info.choices)
-            validate(cfg)  # here, not above: a fresh run's bad config still leaves status.json = failed
-        result = train(cfg, run.path, info, stop)
-        status.finish(result.status, error=result.reason)
+        if is_main:
+            run.write_config(cfg)
+            if cfg.resume:
+                run.append_resume(info.overrides)
+            else:
+                run.write_run_info(info.overrides, info.choices)
+        validate(cfg)  # after the files above: a fresh run's bad config still leaves status.json = failed
+        world = init_world(cfg.parallel, cfg.model.device)
+        if is_main:
+            run.add_run_info("world", world.describe(), resumed=bool(cfg.resume))
+        result = train(cfg, run.path, info, stop, world)
+        if is_main:
+            status.finish(result.status, error=result.reason)
         if result.status == "interrupted":
             raise RunInterrupted(result.reason or "interrupted")
         return result.summary.get("eval/tau")
     except RunInterrupted:
         raise
     except KeyboardInterrupt:
-        status.finish("interrupted", error="KeyboardInterrupt")
+        if is_main:
+            status.finish("interrupted", error="KeyboardInterrupt")
         raise
     except BaseException as e:  # noqa: BLE001 - status.json must say failed for every way a job dies
-        status.finish("failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=20))
+        error = f"{type(e).__name__}: {e}"
+        if world is not None and world.size > 1:
+            if is_main:  # the first rank that failed, which is often not rank 0 (the others fail in a collective)
+                error = world.first_failure() or f"rank 0: {error}"
+            else:
+                world.report_failure(error)
+        if is_main:
+            status.finish("failed", error=error, traceback=traceback.format_exc(limit=20))
         raise
     finally:
         for sig, handler in previous.items():
@@ -122,17 +153,19 @@ def main(cfg: DictConfig, info: JobInfo | None = None) -> float | None:
             torch.cuda.reset_peak_memory_stats()
 
 
-def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event | None = None) -> TrainResult:
+def train(
+    cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event | None = None, world: World | None = None
+) -> TrainResult:
     """Build, resume, run, finish."""
-    stop = stop or threading.Event()
+    stop, world = stop or threading.Event(), world or World()
     t_start = time.time()
     torch.manual_seed(cfg.train.seed)
     run = RunDir(run_dir)
-    job = build_job(cfg, run)
-    if cfg.resume and job.checkpoints.resume(job.trainer) is not None:
+    job = build_job(cfg, run, world)
+    if cfg.resume and job.checkpoints.resume(job.trainer) is not None and world.is_main:
         run.truncate_metrics(job.trainer.step)  # the resumed run appends without duplicate steps
 
-    callbacks = build_callbacks(cfg, run_dir, job.trainer.total_steps)
+    callbacks = build_callbacks(cfg, run_dir, job.trainer.total_steps) if world.is_main else CallbackList()
     job.evaluator.on_result = callbacks.on_eval
     job.checkpoints.on_saved = callbacks.on_checkpoint
     job.checkpoints.extra_state = callbacks.state  # the W&B run id, for a resume to continue the same run
@@ -151,23 +184,28 @@ def train(cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event |
     summary: dict = {}
     with _callbacks_end_with(callbacks, summary) as outcome:
         outcome.status = run_pipeline(cfg, job, stop, _ticker(job, callbacks, summary, t_start))
-        export_drafter(job.drafter, run.drafter, target=cfg.model.target)
-        if outcome.status == "completed":
-            summary.update(job.evaluator.final(job.trainer.step))
-        summary.update(
-            {
-                "step": job.trainer.step,
-                "tokens": job.trainer.tokens,
-                "wall_time_s": round(time.time() - t_start, 3),
-                "status": outcome.status,
-            }
-        )
-        run.write_summary(summary)
+        final = job.gather_drafter()  # a collective under fsdp; the whole drafter on rank 0
+        if world.is_main:
+            export_drafter(final, run.drafter, target=cfg.model.target)
+            if outcome.status == "completed":
+                summary.update(job.evaluator.final(job.trainer.step, final))
+            summary.update(
+                {
+                    "step": job.trainer.step,
+                    "tokens": job.trainer.tokens,
+                    "wall_time_s": round(time.time() - t_start, 3),
+                    "status": outcome.status,
+                }
+            )
+            run.write_summary(summary)
+        world.barrier()  # every rank ends the job together (the next job of a multirun starts in step)
     return TrainResult(outcome.status, summary, "stopped by signal" if outcome.status == "interrupted" else None)
 
 
-def build_job(cfg: DictConfig, run: RunDir) -> Job:
-    """Target, tokenizer, data, drafter, trainer and the managers; every cheap check before the heavy loads."""
+def build_job(cfg: DictConfig, run: RunDir, world: World | None = None) -> Job:
+    """Target, tokenizer, data, drafter, trainer and the managers; every cheap check before the heavy loads.
+    Every rank builds the same job; the drafter is wrapped for data parallelism after its untrained copy."""
+    world = world or World()
     ensure_target(cfg.model)
     target_config = load_target_config(cfg.model.target)
     layer_ids = resolve_target_layer_ids(cfg.model, target_config.num_hidden_layers)
@@ -175,8 +213,12 @@ def build_job(cfg: DictConfig, run: RunDir) -> Job:
     mask_id = resolve_mask_token_id(cfg.model, tokenizer, target_config.vocab_size)
     if cfg.data.name == "jsonl":  # a bad data file fails before the target loads
         jsonl_files(cfg.data.path)
-    device = resolve_device(cfg.model.device)
-    target = TargetModel.load(cfg.model.target, layer_ids, cfg.model.dtype, cfg.model.device)
+    if world.distributed and cfg.train.batch_size % world.size:
+        raise ConfigError(
+            f"train.batch_size={cfg.train.batch_size} is the global batch: it must divide by the {world.size} ranks"
+        )
+    device = world.device if world.distributed else resolve_device(cfg.model.device)
+    target = TargetModel.load(cfg.model.target, layer_ids, cfg.model.dtype, str(device))
     batches, skipped_records = build_batches(
         cfg.data,
         cfg.train,
@@ -195,24 +237,34 @@ def build_job(cfg: DictConfig, run: RunDir) -> Job:
         cfg.model.block_size,
         mask_id,
     )
-    evaluator = Evaluator(cfg, target, drafter, tokenizer, run)  # copies the untrained drafter: before training
-    checkpoints = CheckpointManager(cfg.checkpoint, run.path, drafter, cfg.model.target)
+    evaluator = Evaluator(cfg, target, drafter, tokenizer, run, world)  # copies the untrained drafter first
+    model = parallelize_drafter(drafter, world, cfg.parallel.mixed_precision)
+    evaluator.model = model
+    checkpoints = CheckpointManager(cfg.checkpoint, run.path, drafter, cfg.model.target, world, model)
+    first_step = [True]
 
     def after_step(trainer: DrafterTrainer) -> None:
+        if first_step[0]:  # the first collectives may wait for slow preprocessing; later ones need less
+            world.set_timeout(cfg.parallel.timeout_s)
+            first_step[0] = False
         checkpoints.maybe_save(trainer)
         evaluator.maybe_eval(trainer)
 
-    trainer = DrafterTrainer(cfg, target, drafter, mask_id, total_steps(cfg.train), after_step)
-    return Job(target, drafter, device, batches, skipped_records, trainer, checkpoints, evaluator)
+    trainer = DrafterTrainer(cfg, target, drafter, mask_id, total_steps(cfg.train), after_step, world, model)
+    return Job(target, drafter, device, batches, skipped_records, trainer, checkpoints, evaluator, world, model)
 
 
 def run_pipeline(cfg: DictConfig, job: Job, stop: threading.Event, on_tick) -> str:
     """Train until done or stopped; returns `completed` or `interrupted`. The final checkpoint is written on
-    every way out (lose at most the current step), unless a drafter thread may still be changing the weights."""
+    every way out (lose at most the current step), unless a drafter thread may still be changing the weights
+    or, under data parallelism, the run failed (ranks out of step cannot save together)."""
     pipeline = None
     try:
+        world = job.world
+        if world.distributed:  # a stop is agreed by all ranks at a step boundary (the trainer), never one alone
+            job.trainer.stop_requested = stop.is_set
         pipeline = Pipeline(
-            job.batches.iterate(*job.trainer.next_data),
+            rank_batches(job.batches.iterate(*job.trainer.next_data), world.rank, world.size),
             TargetForward(job.target, job.device, cfg.debug.fail_target_at_batch),
             job.trainer.train_on,
             mode=cfg.pipeline.mode,
@@ -223,7 +275,7 @@ def run_pipeline(cfg: DictConfig, job: Job, stop: threading.Event, on_tick) -> s
             on_tick=on_tick,
             join_timeout_s=cfg.pipeline.join_timeout_s,
             threads_per_stage=_threads_per_stage(cfg, job.device),
-            stop_event=stop,
+            stop_event=None if world.distributed else stop,
         )
         if job.trainer.done():
             log.info("nothing to train: step %d of %d already done", job.trainer.step, job.trainer.total_steps)
@@ -236,19 +288,35 @@ def run_pipeline(cfg: DictConfig, job: Job, stop: threading.Event, on_tick) -> s
                 "final checkpoint or export was written. Resume from the last checkpoint; raise "
                 "pipeline.join_timeout_s if steps or evals of this model take longer"
             )
-    finally:
-        if not _drafter_still_running(pipeline):
+    except BaseException:
+        # ranks that failed have left the lockstep: a collective save could hang, so only one process saves
+        if not job.world.distributed and not _drafter_still_running(pipeline):
             job.checkpoints.save_final(job.trainer)
-    return "interrupted" if stop.is_set() else "completed"
+        raise
+    job.checkpoints.save_final(job.trainer)
+    return "interrupted" if stop.is_set() or job.trainer.stopped_on_request else "completed"
 
 
 def _ticker(job: Job, callbacks: CallbackList, summary: dict, t_start: float):
-    """The monitor's tick: the trainer's metrics and the pipeline's sample to every sink."""
+    """The monitor's tick: the trainer's metrics and the pipeline's sample to every sink. Under data
+    parallelism every rank's tick hands its sample to the trainer (which exchanges them each step), and rank 0
+    reports the global token rate and the ranks' min/max."""
+    last = {"tokens": job.trainer.tokens, "time": time.time()}
 
     def on_tick(sample: dict) -> None:
+        job.trainer.local_perf = sample
+        if not job.world.is_main:
+            return
         metrics = job.trainer.metrics()
-        metrics["time_s"] = round(time.time() - t_start, 3)
+        now = time.time()
+        metrics["time_s"] = round(now - t_start, 3)
         metrics.update(sample)
+        if job.world.distributed:
+            metrics.update(job.trainer.perf_spread)
+            elapsed = now - last["time"]
+            if elapsed > 0:  # all ranks' tokens: the trainer counts global batches
+                metrics["perf/ktok_s"] = (job.trainer.tokens - last["tokens"]) / elapsed / 1000.0
+            last.update(tokens=job.trainer.tokens, time=now)
         if job.skipped_records:
             metrics["data/skipped_records"] = job.skipped_records
         summary.update({k: v for k, v in metrics.items() if isinstance(v, (int, float))})

@@ -142,6 +142,13 @@ class RunDir:
         info.setdefault("resumes", []).append(scrub_json(entry))
         write_json(self.run_info_file, info)
 
+    def add_run_info(self, key: str, value: Any, resumed: bool = False) -> None:
+        """Add a field to run.json (or to its latest resume entry)."""
+        info = read_json(self.run_info_file, default={})
+        target = info["resumes"][-1] if resumed and info.get("resumes") else info
+        target[key] = value
+        write_json(self.run_info_file, info)
+
     def read_run_info(self) -> dict:
         info = read_json(self.run_info_file, default={})
         return info if isinstance(info, dict) else {}

@@ -17,6 +17,7 @@ LAYERS = {
     "dflash.jsonio": 0,
     "dflash.secrets": 0,
     "dflash.rundir": 0,
+    "dflash.distributed": 0,
     "dflash.model": 1,
     "dflash.data": 2,
     "dflash.train": 3,

@@ -32,11 +32,45 @@ def pack(docs: list[Document], eos_id: int) -> tuple[torch.Tensor, torch.Tensor]
 
 @dataclass
 class Batch:
+    """A batch of windows. Under data parallelism, one rank's rows of a global batch (`rank_slice`)."""
+
     input_ids: torch.Tensor  # (bsz, S)
     loss_mask: torch.Tensor  # (bsz, S) bool
-    num_tokens: int
+    num_tokens: int  # tokens of these rows
     data_pass: int
-    index: int  # batch index within the pass
+    index: int  # global batch index within the pass
+    global_loss_mask: torch.Tensor | None = None  # (global bsz, S): the whole batch's mask; None = these rows
+    row_start: int = 0  # first row of the global batch that these rows are
+    global_tokens: int | None = None  # tokens of the whole global batch; None = num_tokens
+
+
+def rank_slice(batch: Batch, rank: int, world_size: int) -> Batch:
+    """Rank `rank`'s contiguous rows of a global batch. The whole batch's mask travels along, so the anchors
+    each rank draws are exactly the ones one process would draw for these rows."""
+    rows = batch.input_ids.shape[0]
+    if rows % world_size:
+        raise ValueError(f"train.batch_size={rows} is the global batch: it must divide by the {world_size} ranks")
+    b = rows // world_size
+    part = slice(rank * b, (rank + 1) * b)
+    return Batch(
+        batch.input_ids[part],
+        batch.loss_mask[part],
+        b * batch.input_ids.shape[1],
+        batch.data_pass,
+        batch.index,
+        global_loss_mask=batch.loss_mask,
+        row_start=rank * b,
+        global_tokens=batch.num_tokens,
+    )
+
+
+def rank_batches(batches: Iterator[Batch], rank: int, world_size: int) -> Iterator[Batch]:
+    """The global batch sequence (fixed by the seed, whatever the world size), sliced for one rank."""
+    if world_size == 1:
+        yield from batches
+        return
+    for batch in batches:
+        yield rank_slice(batch, rank, world_size)
 
 
 class PackedBatches:

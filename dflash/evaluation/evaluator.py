@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from dflash.data.prompts import heldout_prompts, read_prompts_file
+from dflash.distributed import World
 from dflash.evaluation.decoding import (
     EosIds,
     GenerationResult,
@@ -28,6 +29,7 @@ from dflash.evaluation.decoding import (
 from dflash.model.build import init_drafter
 from dflash.model.drafter import DFlashDraftModel
 from dflash.rundir import RunDir
+from dflash.train.parallelize import full_state_dict, plain_copy
 
 log = logging.getLogger(__name__)
 
@@ -270,32 +272,46 @@ class Evaluator:
     (prompt lookup and the drafter as initialised, at the final eval), and eval.json with the prompts' token
     ids, so `python -m dflash.evaluate RUN_DIR` can repeat the final eval exactly.
 
+    Under data parallelism rank 0 evaluates; every rank takes part in gathering the weights first (a
+    collective under fsdp), and the others go on to the next step, where they wait for rank 0.
     `on_result(metrics)` receives every eval's flat metrics with `step` (the run points it at its callbacks).
     """
 
-    def __init__(self, cfg, target, drafter: DFlashDraftModel, tokenizer, run: RunDir):
+    def __init__(self, cfg, target, drafter: DFlashDraftModel, tokenizer, run: RunDir, world: World | None = None):
         self.cfg = cfg.eval
         self.block_size = cfg.model.block_size
         self.seed = cfg.train.seed
+        self.world = world or World()
         self.target, self.drafter, self.tokenizer, self.run = target, drafter, tokenizer, run
-        self.prompts = choose_prompts(cfg.eval, cfg.data, tokenizer, self.seed) if cfg.eval.num_prompts else []
+        self.model = drafter  # the run sets the DDP/FSDP-wrapped drafter here
+        main = self.world.is_main
+        self.prompts = choose_prompts(cfg.eval, cfg.data, tokenizer, self.seed) if main and self.cfg.num_prompts else []
         # the drafter before training: the baseline that shows what training bought
-        self.untrained = copy.deepcopy(drafter).eval() if self.cfg.baselines and self.prompts else None
+        self.untrained = copy.deepcopy(drafter).eval() if main and self.cfg.baselines and self.prompts else None
         self.on_result = lambda metrics: None
 
     def should_eval(self, step: int, done: bool) -> bool:
-        """Periodic evals at every `eval.every_steps`; the last step gets the final eval instead."""
-        return bool(self.prompts and self.cfg.every_steps and step % self.cfg.every_steps == 0 and not done)
+        """Periodic evals at every `eval.every_steps`; the last step gets the final eval instead. Decided from
+        the config alone, so every rank decides the same."""
+        return bool(self.cfg.num_prompts and self.cfg.every_steps and step % self.cfg.every_steps == 0 and not done)
 
     def maybe_eval(self, trainer) -> None:
         if self.should_eval(trainer.step, trainer.done()):
             self.evaluate(trainer.step)
 
-    def evaluate(self, step: int, final: bool = False) -> dict[str, float]:
-        """Evaluate the drafter's current weights; the final eval adds the baselines and writes eval.json."""
-        if not self.prompts:
+    def _current_weights(self) -> DFlashDraftModel | None:
+        """A consistent copy of the drafter's weights (training may go on in other threads); rank 0 only."""
+        if not self.world.distributed:
+            return frozen_copy(self.drafter)
+        state = full_state_dict(self.model, self.world)  # every rank: a collective under fsdp
+        return plain_copy(self.drafter, state, module_device(self.target.model)) if self.world.is_main else None
+
+    def evaluate(self, step: int, final: bool = False, drafter: DFlashDraftModel | None = None) -> dict[str, float]:
+        """Evaluate the drafter's current weights (or `drafter`); the final eval adds the baselines and writes
+        eval.json."""
+        snapshot = drafter if drafter is not None else self._current_weights()
+        if snapshot is None or not self.prompts:
             return {}
-        snapshot = frozen_copy(self.drafter)  # a consistent copy; training may go on in other threads
         t0 = time.time()
         result = evaluate(
             self.target.model,
@@ -331,12 +347,15 @@ class Evaluator:
             )
         return metrics
 
-    def final(self, step: int) -> dict[str, float]:
-        """The final eval, once per step: a resumed, already completed run finds it in eval.json."""
+    def final(self, step: int, drafter: DFlashDraftModel | None = None) -> dict[str, float]:
+        """The final eval, once per step: a resumed, already completed run finds it in eval.json. Rank 0 only;
+        `drafter` is the whole trained drafter (gathered from the ranks under data parallelism)."""
         if not self.cfg.final or not self.prompts:
             return {}
         done = self.run.read_eval()
         if done is not None and done.get("step") == step:
             log.info("final eval at step %d already in eval.json; not repeated", step)
             return {k: v for k, v in done["metrics"].items() if isinstance(v, (int, float))}
-        return self.evaluate(step, final=True)
+        if drafter is not None and not self.world.distributed:
+            drafter = frozen_copy(drafter)  # as the periodic evals: a detached copy in eval mode
+        return self.evaluate(step, final=True, drafter=drafter)

@@ -11,7 +11,7 @@ from pathlib import Path
 from dflash.config import DTYPE_NAMES
 from dflash.model.export import export_drafter
 from dflash.model.target import DTYPES
-from dflash.train.checkpoint import load_drafter_from_source
+from dflash.train.checkpointer import load_drafter_from_source
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,8 +27,10 @@ class BlockMetricsAccumulator:
             self._streak_sum: torch.Tensor | None = None
             self._num_blocks: torch.Tensor | None = None
 
-    def update(self, correct: torch.Tensor, valid: torch.Tensor) -> None:
-        """correct, valid: Bool [N, B-1]. Invalid positions end a block's streak."""
+    @staticmethod
+    def counts(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """One batch's counts as a flat vector [valid per position (B-1), correct per position (B-1), streak
+        sum, blocks]: additive, so data-parallel ranks sum them before `add_counts`."""
         if correct.shape != valid.shape or correct.dim() != 2:
             raise ValueError(f"correct {tuple(correct.shape)} and valid {tuple(valid.shape)} must both be [N, B-1]")
         valid = valid.detach().bool()
@@ -37,22 +39,30 @@ class BlockMetricsAccumulator:
         # leading run of correct valid positions: cumprod stays 1 until the first miss
         leading = torch.cumprod(hit.long(), dim=1).sum(dim=1)
         streak_sum = ((leading + 1) * has_valid).sum()
+        return torch.cat([valid.sum(0), hit.sum(0), streak_sum.view(1), has_valid.sum().view(1)])
+
+    def update(self, correct: torch.Tensor, valid: torch.Tensor) -> None:
+        """correct, valid: Bool [N, B-1]. Invalid positions end a block's streak."""
+        self.add_counts(self.counts(correct, valid))
+
+    def add_counts(self, counts: torch.Tensor) -> None:
+        """Add a `counts` vector (possibly summed over ranks)."""
+        width = (counts.numel() - 2) // 2
+        valid_per_pos, hit_per_pos = counts[:width].long(), counts[width : 2 * width].long()
+        streak_sum, num_blocks = counts[2 * width].long(), counts[2 * width + 1].long()
         with self._lock:
-            if self._valid_per_pos is not None and self._valid_per_pos.shape[0] != valid.shape[1]:
+            if self._valid_per_pos is not None and self._valid_per_pos.shape[0] != width:
                 raise ValueError(
-                    f"block width changed from {self._valid_per_pos.shape[0]} to {valid.shape[1]} positions; "
-                    "reset() first"
+                    f"block width changed from {self._valid_per_pos.shape[0]} to {width} positions; reset() first"
                 )
             if self._valid_per_pos is None:
-                self._valid_per_pos = valid.sum(0)
-                self._correct_per_pos = hit.sum(0)
-                self._streak_sum = streak_sum
-                self._num_blocks = has_valid.sum()
+                self._valid_per_pos, self._correct_per_pos = valid_per_pos, hit_per_pos
+                self._streak_sum, self._num_blocks = streak_sum, num_blocks
             else:
-                self._valid_per_pos = self._valid_per_pos + valid.sum(0)
-                self._correct_per_pos = self._correct_per_pos + hit.sum(0)
+                self._valid_per_pos = self._valid_per_pos + valid_per_pos
+                self._correct_per_pos = self._correct_per_pos + hit_per_pos
                 self._streak_sum = self._streak_sum + streak_sum
-                self._num_blocks = self._num_blocks + has_valid.sum()
+                self._num_blocks = self._num_blocks + num_blocks
 
     def compute(self) -> dict[str, float]:
         """`train/accuracy`, `train/avg_streak`, `train/acc_pos_<k>` (k = 1..B-1); keys with no data are omitted."""

@@ -1,5 +1,6 @@
 """Resumable checkpoints: `checkpoints/step_N/` with the drafter (safetensors), optimizer + counters + data
-position (torch, loaded with weights_only=True), RNG states and meta.json.
+position (torch, loaded with weights_only=True), RNG states and meta.json. Data-parallel runs write the
+sharded format of checkpoint_dcp.py instead; meta.json says which (`format`).
 
 A checkpoint is written to `step_N.tmp/` and renamed; `meta.json` (written last) carries `complete: true`,
 so a directory truncated mid-write is never mistaken for a complete one.
@@ -11,7 +12,6 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 WEIGHTS = "drafter.safetensors"
 STATE = "state.pt"
 META = "meta.json"
+DCP_FORMAT = "dcp"  # sharded: torch.distributed.checkpoint files (checkpoint_dcp.py)
+DCP_METADATA = ".metadata"
 
 
 class CheckpointMismatch(ValueError):
@@ -65,17 +67,22 @@ def save_checkpoint(run_dir: Path, drafter, trainer_state: dict, extra: dict, ke
         **extra,
         "complete": True,
     }
+    commit(tmp, final, meta, keep_last)
+    return final
+
+
+def commit(tmp: Path, final: Path, meta: dict, keep_last: int) -> None:
+    """meta.json last, every file on disk, then the rename that makes `final` a complete checkpoint."""
     (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
-    for name in (WEIGHTS, STATE, META):  # on disk before the rename makes the checkpoint look complete
-        _fsync(tmp / name)
+    for f in tmp.iterdir():  # on disk before the rename makes the checkpoint look complete
+        _fsync(f)
     _fsync(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync(root)  # the rename itself survives a power loss
-    _prune(root, keep_last)
-    log.info("checkpoint step %d -> %s", step, final)
-    return final
+    _fsync(final.parent)  # the rename itself survives a power loss
+    _prune(final.parent, keep_last)
+    log.info("checkpoint step %d -> %s", meta["step"], final)
 
 
 def _fsync(path: Path) -> None:
@@ -92,9 +99,27 @@ def _complete_checkpoints(root: Path) -> list[Path]:
         if d.suffix == ".tmp" or not d.is_dir():
             continue
         meta = read_json(d / META, default={})
-        if isinstance(meta, dict) and meta.get("complete") and (d / WEIGHTS).is_file() and (d / STATE).is_file():
+        if isinstance(meta, dict) and meta.get("complete") and all((d / f).is_file() for f in _files_of(meta)):
             out.append(d)
     return sorted(out, key=lambda d: int(d.name.split("_")[1]))
+
+
+def _files_of(meta: dict) -> tuple[str, ...]:
+    """The files a complete checkpoint of this format has besides meta.json."""
+    return (DCP_METADATA,) if meta.get("format") == DCP_FORMAT else (WEIGHTS, STATE)
+
+
+def is_sharded(ckpt: Path) -> bool:
+    return read_meta(ckpt).get("format") == DCP_FORMAT
+
+
+def check_signature(ckpt: Path, meta: dict, drafter) -> None:
+    """Refuse a checkpoint made for another drafter shape or mask token, naming the difference."""
+    want, have = model_signature(drafter), meta.get("signature", {})
+    diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
+    if diff:
+        lines = ", ".join(f"{k}: checkpoint {a} vs run {b}" for k, (a, b) in diff.items())
+        raise CheckpointMismatch(f"checkpoint {ckpt} does not fit this drafter ({lines})")
 
 
 def _prune(root: Path, keep_last: int) -> None:
@@ -119,11 +144,7 @@ def load_checkpoint(ckpt: Path, drafter, trainer=None) -> dict:
     """Load weights (and trainer state) into drafter / trainer; refuses a checkpoint of another shape or mask id.
     Returns meta.json."""
     meta = read_meta(ckpt)
-    want, have = model_signature(drafter), meta.get("signature", {})
-    diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
-    if diff:
-        lines = ", ".join(f"{k}: checkpoint {a} vs run {b}" for k, (a, b) in diff.items())
-        raise CheckpointMismatch(f"checkpoint {ckpt} does not fit this drafter ({lines})")
+    check_signature(ckpt, meta, drafter)
     weights = load_file(str(Path(ckpt) / WEIGHTS), device=str(next(drafter.parameters()).device))
     missing, unexpected = drafter.load_state_dict(weights, strict=False)
     missing = [k for k in missing if "rotary" not in k]
@@ -134,85 +155,3 @@ def load_checkpoint(ckpt: Path, drafter, trainer=None) -> dict:
         trainer.load_state_dict(state["trainer"])
         torch.set_rng_state(state["rng"]["torch"])
     return meta
-
-
-def load_drafter_from_source(source: Path):
-    """A drafter from a checkpoint dir, a run dir (its latest checkpoint, else its drafter/), or a drafter dir.
-    Returns (drafter, target path or None)."""
-    from transformers import Qwen3Config
-
-    from dflash.model.drafter import DFlashDraftModel
-
-    source = Path(source)
-    target = None
-    run = RunDir(source)
-    if run.config_file.exists():
-        from omegaconf import OmegaConf
-
-        target = OmegaConf.load(run.config_file).model.target
-        ckpt = latest_checkpoint(source)
-        if ckpt is None:
-            if (run.drafter / "config.json").exists():
-                return DFlashDraftModel.from_pretrained(run.drafter), target
-            raise FileNotFoundError(f"{source}: run has no complete checkpoint and no drafter/")
-        source = ckpt
-    if (source / META).exists():
-        meta = read_meta(source)
-        drafter = DFlashDraftModel(Qwen3Config.from_dict(meta["drafter_config"]))
-        load_checkpoint(source, drafter)
-        return drafter, target or meta.get("target")
-    if (source / "config.json").exists():
-        return DFlashDraftModel.from_pretrained(source), target
-    raise FileNotFoundError(f"{source}: not a run dir, checkpoint dir or drafter dir")
-
-
-class CheckpointManager:
-    """Owns *when* and *how* a run checkpoints: every `checkpoint.every_steps`, once more on every way the run
-    ends (completed, interrupted, failed: at most the current step is lost), `keep_last`, and loading the
-    newest complete checkpoint on resume.
-
-    `extra_state()` supplies what the tracking sinks need back on resume (the W&B run id).
-    """
-
-    def __init__(self, cfg, run_dir: Path, drafter, target_path: str):
-        self.cfg = cfg  # the `checkpoint` config group
-        self.run_dir = Path(run_dir)
-        self.drafter = drafter
-        self.target_path = target_path
-        self.on_saved: Callable[[int, Path], None] = lambda step, path: None
-        self.extra_state: Callable[[], dict] = dict
-        self.resumed_state: dict = {}  # meta.json of the checkpoint a resume loaded
-
-    def should_save(self, step: int) -> bool:
-        return bool(self.cfg.enabled and self.cfg.every_steps and step % self.cfg.every_steps == 0)
-
-    def maybe_save(self, trainer) -> None:
-        if self.should_save(trainer.step):
-            self.save(trainer)
-
-    def save(self, trainer) -> Path:
-        # a resumed job without W&B keeps the resumed id for the next resume that has W&B
-        run_id = self.extra_state().get("wandb_run_id") or self.resumed_state.get("wandb_run_id")
-        extra = {"wandb_run_id": run_id, "target": self.target_path}
-        path = save_checkpoint(self.run_dir, self.drafter, trainer.state_dict(), extra, self.cfg.keep_last)
-        self.on_saved(trainer.step, path)
-        return path
-
-    def save_final(self, trainer) -> Path | None:
-        """The checkpoint of the step the run ended on, unless it exists already or nothing was trained."""
-        if trainer.step == 0 or not self.cfg.enabled:
-            return None
-        last = latest_checkpoint(self.run_dir)
-        if last is not None and last.name == f"step_{trainer.step}":
-            return None
-        return self.save(trainer)
-
-    def resume(self, trainer) -> int | None:
-        """Load the newest complete checkpoint into the drafter and trainer; returns its step (None: none)."""
-        ckpt = latest_checkpoint(self.run_dir)
-        if ckpt is None:
-            log.warning("resume=%s: no complete checkpoint, starting from step 0", self.run_dir)
-            return None
-        self.resumed_state = load_checkpoint(ckpt, self.drafter, trainer)
-        log.info("resuming %s from %s (step %d)", self.run_dir, ckpt.name, trainer.step)
-        return trainer.step

@@ -21,12 +21,16 @@ from dataclasses import dataclass
 import torch
 
 from dflash.data.batches import Batch
+from dflash.distributed import World
 from dflash.model.blocks import build_training_blocks, gather_positions, sample_anchors
 from dflash.model.losses import dflash_loss
 from dflash.train.block_metrics import BlockMetricsAccumulator
 from dflash.train.schedules import add_feature_noise, lr_at, noise_std_at
 
 log = logging.getLogger(__name__)
+
+# per-rank monitor values that rank 0 shows as `<key>_min` / `<key>_max` under data parallelism
+PERF_SPREAD_KEYS = ("perf/target_queue_depth", "perf/hs_queue_depth", "perf/target_busy", "perf/drafter_busy")
 
 
 class TrainingDiverged(RuntimeError):
@@ -41,9 +45,12 @@ class HiddenItem:
     loss_mask: torch.Tensor  # (bsz, S) bool
     target_hidden: torch.Tensor  # (bsz, S, n_feat * H)
     last_hidden: torch.Tensor  # (bsz, S, H), final-normed (teacher logits = lm_head(last_hidden))
-    num_tokens: int
+    num_tokens: int  # tokens of these rows
     data_pass: int
     index: int
+    global_loss_mask: torch.Tensor | None = None  # (global bsz, S) under data parallelism (anchors are drawn on it)
+    row_start: int = 0  # these rows' first row in the global batch
+    global_tokens: int | None = None  # tokens of the global batch (the step's token count on every rank)
 
 
 class TargetForward:
@@ -70,6 +77,9 @@ class TargetForward:
             num_tokens=batch.num_tokens,
             data_pass=batch.data_pass,
             index=batch.index,
+            global_loss_mask=None if batch.global_loss_mask is None else batch.global_loss_mask.to(self.device),
+            row_start=batch.row_start,
+            global_tokens=batch.global_tokens,
         )
 
 
@@ -86,6 +96,18 @@ def step_generator(seed: int, step: int, stream: int, device: torch.device | str
     """A generator for one (step, stream), on `device`: torch draws CUDA random numbers only from a CUDA
     generator, and drawing GPU-sized noise on the CPU and copying it over would cost a step's worth of time."""
     return torch.Generator(device=device).manual_seed((seed * 1_000_003 + step) * 8 + stream)
+
+
+def add_row_noise(features: torch.Tensor, std: float, seed: int, step: int, row_start: int) -> torch.Tensor:
+    """Feature noise drawn per global row (data parallelism): a row gets the same noise on whichever rank."""
+    if std == 0:
+        return features
+    rows = []
+    for i in range(features.shape[0]):
+        g = torch.Generator(device=features.device)
+        g.manual_seed(((seed * 1_000_003 + step) * 65_537 + row_start + i) * 8 + 2)  # stream 2: row noise
+        rows.append(add_feature_noise(features[i : i + 1], std, generator=g))
+    return torch.cat(rows)
 
 
 def total_steps(train_cfg) -> int:
@@ -108,10 +130,14 @@ class DrafterTrainer:
         mask_token_id: int,
         total_steps: int,
         after_step: Callable[[DrafterTrainer], None] | None = None,
+        world: World | None = None,
+        model: torch.nn.Module | None = None,
     ):
         self.cfg = cfg
         self.target = target
-        self.drafter = drafter
+        self.drafter = drafter  # the drafter module (FSDP2 shards it in place)
+        self.world = world or World()
+        self.model = model if model is not None else drafter  # what forward/backward run through (DDP wrapper)
         self.mask_token_id = mask_token_id
         self.block_size = cfg.model.block_size
         self.total_steps = total_steps
@@ -119,7 +145,7 @@ class DrafterTrainer:
         self.after_step = after_step
         t = cfg.train
         self.optimizer = torch.optim.AdamW(
-            [p for p in drafter.parameters() if p.requires_grad],
+            [p for p in self.model.parameters() if p.requires_grad],
             lr=cfg.schedule.lr,
             betas=tuple(t.betas),
             weight_decay=t.weight_decay,
@@ -134,6 +160,12 @@ class DrafterTrainer:
         self._lock = threading.Lock()
         self._reset_window()
         self.last_metrics: dict[str, float] = {}
+        # data parallelism: each step all ranks agree on stopping (a signal to any of them), and exchange their
+        # latest local monitor sample so rank 0 can show the slowest and fastest rank
+        self.stop_requested: Callable[[], bool] = lambda: False
+        self.stopped_on_request = False
+        self.local_perf: dict[str, float] = {}
+        self.perf_spread: dict[str, float] = {}
 
     # --- metrics -------------------------------------------------------------------------------------
     def _reset_window(self) -> None:
@@ -171,19 +203,23 @@ class DrafterTrainer:
     def compute_loss(self, item: HiddenItem, step: int, noise_std: float):
         """Forward of all blocks of a batch in one pass; returns the loss output of dflash.model.losses."""
         cfg, B = self.cfg, self.block_size
-        anchors, valid = sample_anchors(
-            item.loss_mask, cfg.train.num_anchors, B, step_generator(cfg.train.seed, step, 0)
-        )
+        # anchors are drawn for the whole global batch (one process draws the same), then this rank's rows taken
+        whole = item.loss_mask if item.global_loss_mask is None else item.global_loss_mask
+        anchors, valid = sample_anchors(whole, cfg.train.num_anchors, B, step_generator(cfg.train.seed, step, 0))
+        rows = slice(item.row_start, item.row_start + item.input_ids.shape[0])
+        anchors, valid = anchors[rows], valid[rows]
         blocks = build_training_blocks(
             item.input_ids, item.loss_mask, anchors, valid, B, self.mask_token_id, self.attention
         )
         with torch.no_grad():
             noise_embedding = self.target.embed_tokens(blocks.input_ids).to(self.drafter.dtype)
         target_hidden = item.target_hidden.to(self.drafter.dtype)
-        target_hidden = add_feature_noise(
-            target_hidden, noise_std, generator=step_generator(cfg.train.seed, step, 1, target_hidden.device)
-        )
-        out = self.drafter(noise_embedding, target_hidden, blocks.position_ids, attention_mask=blocks.attention_mask)
+        if self.world.distributed:
+            target_hidden = add_row_noise(target_hidden, noise_std, cfg.train.seed, step, item.row_start)
+        else:
+            generator = step_generator(cfg.train.seed, step, 1, target_hidden.device)
+            target_hidden = add_feature_noise(target_hidden, noise_std, generator=generator)
+        out = self.model(noise_embedding, target_hidden, blocks.position_ids, attention_mask=blocks.attention_mask)
         bsz, n = anchors.shape
         draft_hidden = out.view(bsz, n, B, -1)[:, :, 1:].reshape(bsz * n, B - 1, -1)  # slots 1..B-1
         teacher_hidden = None
@@ -203,25 +239,35 @@ class DrafterTrainer:
             streak_alpha=lo.streak_alpha,
             teacher_hidden=teacher_hidden,
             chunk_size=lo.chunk_size,
+            # data parallelism: every rank divides by the global weight sum (SpecForge PR #731's fix)
+            weight_denominator=self._global_weight_sum if self.world.distributed else None,
         )
 
+    def _global_weight_sum(self, local: torch.Tensor) -> torch.Tensor:
+        return self.world.all_reduce(local.reshape(1)).reshape(())
+
     def train_on(self, item: HiddenItem) -> bool:
-        """Train on one item; returns False once training is done (the pipeline then stops)."""
+        """Train on one item; returns False once training is done or stopped (the pipeline then stops).
+        Under data parallelism every rank runs the same collectives in the same order each step."""
         if self.done():
             return False
-        cfg = self.cfg
-        if cfg.debug.fail_at_step is not None and self.step + 1 >= cfg.debug.fail_at_step:
+        cfg, world = self.cfg, self.world
+        faulty_rank = cfg.debug.fail_rank is None or cfg.debug.fail_rank == world.rank
+        if faulty_rank and cfg.debug.fail_at_step is not None and self.step + 1 >= cfg.debug.fail_at_step:
             raise RuntimeError(f"injected drafter-stage fault at step {self.step + 1} (debug.fail_at_step)")
         step = self.step
         lr, noise_std = self.lr_for(step), self.noise_for(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.drafter.train()
+        self.model.train()
         out = self.compute_loss(item, step, noise_std)
         self.optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.train.grad_clip).item()
-        finite = math.isfinite(out.loss.item()) and math.isfinite(grad_norm)
+        # DDP and FSDP average gradients over ranks; the loss is already divided by the global weight sum
+        (out.loss * world.size if world.distributed else out.loss).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        stats = self._reduce_step(out)
+        finite = math.isfinite(stats["loss"]) and math.isfinite(grad_norm)  # the same verdict on every rank
         if finite:
             self.optimizer.step()
             self.bad_in_row = 0
@@ -232,14 +278,14 @@ class DrafterTrainer:
             log.warning("step %d: non-finite loss or gradient, step skipped (%d in a row)", step + 1, self.bad_in_row)
         with self._lock:
             self.step += 1
-            self.tokens += item.num_tokens
+            self.tokens += item.global_tokens if item.global_tokens is not None else item.num_tokens
             self.next_data = (item.data_pass, item.index + 1)
             if finite:
-                self._sums["train/loss"] += out.loss.item()
-                self._sums["train/loss_ce"] += float(out.loss_ce)
-                self._sums["train/loss_kl"] += float(out.loss_kl)
+                self._sums["train/loss"] += stats["loss"]
+                self._sums["train/loss_ce"] += stats["loss_ce"]
+                self._sums["train/loss_kl"] += stats["loss_kl"]
                 self._sums["train/grad_norm"] += grad_norm
-                self._acc.update(out.correct, out.valid)
+                self._acc.add_counts(stats["counts"])
                 self._n += 1
         if self.bad_in_row >= cfg.train.max_bad_steps:
             raise TrainingDiverged(
@@ -248,14 +294,49 @@ class DrafterTrainer:
             )
         if self.after_step is not None:
             self.after_step(self)
-        if cfg.debug.crash_at_step is not None and self.step >= cfg.debug.crash_at_step:
+        if faulty_rank and cfg.debug.crash_at_step is not None and self.step >= cfg.debug.crash_at_step:
             os.kill(os.getpid(), signal.SIGKILL)  # fault injection: no cleanup, exactly like kill -9
+        if stats["stop"]:
+            self.stopped_on_request = True
+            log.warning("stopping after step %d: a stop was requested", self.step)
+            return False
         return not self.done()
 
-    # --- state for checkpoints -----------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def _reduce_step(self, out) -> dict:
+        """This step's loss terms, block counts and stop request, summed over ranks in one collective (the
+        loss terms are already divided by the global weight sum); with several ranks, also the min/max of
+        their latest monitor samples."""
+        local = torch.cat(
+            [
+                torch.stack([out.loss.detach().float(), out.loss_ce.float(), out.loss_kl.float()]).cpu().double(),
+                torch.tensor([float(self.world.distributed and self.stop_requested())], dtype=torch.float64),
+                BlockMetricsAccumulator.counts(out.correct, out.valid).cpu().double(),
+            ]
+        )
+        total = self.world.all_reduce(local)
+        if self.world.distributed and self.world.size > 1:
+            self._exchange_perf()
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "loss": total[0].item(),
+            "loss_ce": total[1].item(),
+            "loss_kl": total[2].item(),
+            "stop": bool(total[3].item() > 0),
+            "counts": total[4:],
+        }
+
+    def _exchange_perf(self) -> None:
+        names = sorted(PERF_SPREAD_KEYS)
+        values = torch.tensor([float(self.local_perf.get(k, 0.0)) for k in names], dtype=torch.float64)
+        both = self.world.all_reduce(torch.cat([values, -values]), op="max")
+        self.perf_spread = {
+            **{f"{k}_max": both[i].item() for i, k in enumerate(names)},
+            **{f"{k}_min": -both[len(names) + i].item() for i, k in enumerate(names)},
+        }
+
+    # --- state for checkpoints -----------------------------------------------------------------------
+    def counters(self) -> dict:
+        """Step and token counters and the data position (global batches): the same on every rank."""
+        return {
             "step": self.step,
             "tokens": self.tokens,
             "skipped_steps": self.skipped_steps,
@@ -263,15 +344,24 @@ class DrafterTrainer:
             "next_data": list(self.next_data),
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        # load_state_dict also restores the saved hyperparameters; the resumed config's own win (lr is set
-        # every step anyway), so `resume=RUN train.weight_decay=...` does what it says.
-        for group in self.optimizer.param_groups:
-            group["betas"] = tuple(self.cfg.train.betas)
-            group["weight_decay"] = self.cfg.train.weight_decay
+    def load_counters(self, state: dict) -> None:
         self.step = int(state["step"])
         self.tokens = int(state["tokens"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.bad_in_row = int(state.get("bad_in_row", 0))
         self.next_data = tuple(state["next_data"])
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), **self.counters()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.apply_config_to_optimizer()
+        self.load_counters(state)
+
+    def apply_config_to_optimizer(self) -> None:
+        """A loaded optimizer state brings its saved hyperparameters; the resumed config's own win (lr is set
+        every step anyway), so `resume=RUN train.weight_decay=...` does what it says."""
+        for group in self.optimizer.param_groups:
+            group["betas"] = tuple(self.cfg.train.betas)
+            group["weight_decay"] = self.cfg.train.weight_decay

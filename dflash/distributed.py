@@ -1,0 +1,232 @@
+"""The world a job runs in: rank, local rank, world size, device, backend and device mesh, from torchrun's
+environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) or SLURM's through submitit.
+
+`parallel=single` is one process without torch.distributed. `ddp` / `fsdp` join a process group (NCCL on
+CUDA, gloo on CPU) with `parallel.init_timeout_s`; after the first step collectives wait at most
+`parallel.timeout_s`. Every decision that ends or skips a step is agreed by all ranks (`World.agree`), so no
+rank waits forever in a collective; a rank that fails publishes its error in the process group's store, so
+rank 0 can name it in status.json.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import socket
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from dflash.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+_FAILURE_KEY = "dflash/first_failure"
+
+
+def launched_distributed() -> bool:
+    """True in a process started by torchrun (or with its variables set by submitit)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch_rank() -> int:
+    """This process's rank as its launcher set it (0 without one), before any process group exists."""
+    return int(os.environ.get("RANK", 0))
+
+
+def export_submitit_env() -> bool:
+    """Inside a SLURM task started by submitit, set torchrun's variables from SLURM's (one task per GPU)."""
+    if launched_distributed() or "SUBMITIT_EXECUTOR" not in os.environ:
+        return False
+    try:
+        from submitit.helpers import TorchDistributedEnvironment
+    except ImportError:
+        return False
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    return True
+
+
+def default_backend(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def init_process_group(backend: str = "auto", timeout_s: float = 300.0) -> None:
+    """Join the process group of this torchrun/submitit job (once per process; jobs of a multirun reuse it).
+    The CUDA device is chosen from LOCAL_RANK before the group exists, as NCCL wants."""
+    if dist.is_initialized():
+        return
+    export_submitit_env()
+    if not launched_distributed():
+        # ddp/fsdp without a launcher: a world of one, so the same code path (and checkpoint format) runs
+        store = tempfile.mkdtemp(prefix="dflash-pg-")
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+        init_method = f"file://{store}/store"
+    else:
+        init_method = "env://"
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if backend == "auto":
+        backend = default_backend("cuda" if cuda else "cpu")
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # a dead peer ends NCCL waits, not hangs them
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        timeout=dt.timedelta(seconds=timeout_s),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
+    log.info("joined the process group: rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), backend)
+
+
+@dataclass
+class World:
+    """This process's place in the job. `mode` is the `parallel` group's name."""
+
+    mode: str = "single"
+    rank: int = 0
+    local_rank: int = 0
+    size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str | None = None
+    hosts: list[str] = field(default_factory=lambda: [socket.gethostname()])
+    mesh: object = None  # torch DeviceMesh over all ranks (ddp/fsdp)
+
+    @property
+    def distributed(self) -> bool:
+        return self.mode != "single"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def describe(self) -> dict:
+        """What run.json records about the world."""
+        return {
+            "mode": self.mode,
+            "size": self.size,
+            "backend": self.backend,
+            "device": str(self.device),
+            "nodes": len(set(self.hosts)),
+            "hosts": sorted(set(self.hosts)),
+        }
+
+    # -- collectives every rank reaches in the same order ------------------------------------------------
+
+    def all_reduce(self, values: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Sum (or max) of a small tensor over all ranks; returns it on the caller's device."""
+        if not self.distributed or self.size == 1:
+            return values
+        out = values.detach().to(self.device, torch.float64 if self.device.type == "cpu" else torch.float32)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        return out.to(values.device, values.dtype)
+
+    def agree(self, flag: bool) -> bool:
+        """True on every rank when it is True on any rank (stop requests)."""
+        return bool(self.all_reduce(torch.tensor([float(flag)]), "max").item() > 0)
+
+    def broadcast_object(self, obj):
+        if not self.distributed or self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.distributed and self.size > 1:
+            dist.barrier()
+
+    def set_timeout(self, seconds: float) -> None:
+        """The collective timeout from now on (torchtitan shortens it after the first step; ours allows for
+        rank 0's evals)."""
+        if self.distributed and self.size > 1:
+            from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout
+
+            _set_pg_timeout(dt.timedelta(seconds=seconds), _get_default_group())
+
+    # -- failures ------------------------------------------------------------------------------------------
+
+    def report_failure(self, message: str) -> None:
+        """Publish this rank's failure (the first one wins) before the process exits."""
+        if not (self.distributed and self.size > 1 and dist.is_initialized()):
+            return
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.compare_set(_FAILURE_KEY, "", f"rank {self.rank}: {message}")
+        except Exception as e:  # noqa: BLE001 - the store may be gone already; the exit code still tells
+            log.warning("could not publish the failure of rank %d: %s", self.rank, e)
+
+    def first_failure(self) -> str | None:
+        """The failure another rank published, if any (read without blocking)."""
+        if not (self.distributed and self.size > 1 and dist.is_initialized()):
+            return None
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            if store.check([_FAILURE_KEY]):
+                value = store.get(_FAILURE_KEY).decode()
+                return value or None
+        except Exception:  # noqa: BLE001
+            return None
+        return None
+
+
+def init_world(parallel_cfg, device_name: str = "auto") -> World:
+    """The World of this process for `parallel.name`; joins (or reuses) the process group for ddp/fsdp."""
+    if parallel_cfg.name == "single":
+        if launched_distributed() and int(os.environ["WORLD_SIZE"]) > 1:
+            raise ConfigError(
+                f"parallel=single in a job of {os.environ['WORLD_SIZE']} processes (torchrun): add parallel=ddp or "
+                "parallel=fsdp, or start one process"
+            )
+        return World()
+    init_process_group(parallel_cfg.backend, parallel_cfg.init_timeout_s)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device_name == "cpu" or not torch.cuda.is_available():
+        device = torch.device("cpu")
+    else:
+        device = torch.device("cuda", local_rank)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (size,), mesh_dim_names=("dp",))
+    hosts: list = [None] * size
+    dist.all_gather_object(hosts, socket.gethostname())
+    return World(parallel_cfg.name, rank, local_rank, size, device, dist.get_backend(), hosts, mesh)
+
+
+def shutdown() -> None:
+    """Leave the process group (at process exit: jobs of one multirun share it)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def agree_on_launch(argv: list[str]) -> list[str]:
+    """Before Hydra starts: every rank of a torchrun job must write to rank 0's run directory (Hydra's
+    `${now:...}` differs per process). Registers the `launch_time` resolver conf/config.yaml names its
+    directories with (rank 0's start time, broadcast), and keeps ranks > 0 out of the files rank 0 owns:
+    no .hydra/ of their own, a log of their own (`launch.rank<r>.log`, warnings and errors)."""
+    import datetime
+
+    from omegaconf import OmegaConf
+
+    start = datetime.datetime.now()
+    if launched_distributed() and int(os.environ["WORLD_SIZE"]) > 1:
+        init_process_group(
+            os.environ.get("DFLASH_BACKEND", "auto"), float(os.environ.get("DFLASH_INIT_TIMEOUT_S", 300))
+        )
+        box = [start]
+        dist.broadcast_object_list(box, src=0)
+        start = box[0]
+        rank = dist.get_rank()
+        if rank > 0:
+            argv = [a for a in argv if not a.startswith("hydra.output_subdir=")]
+            argv += [
+                "hydra.output_subdir=null",
+                f"hydra.job_logging.handlers.file.filename=${{hydra.runtime.output_dir}}/launch.rank{rank}.log",
+                "hydra.job_logging.root.level=WARNING",
+            ]
+    OmegaConf.register_new_resolver("launch_time", lambda fmt: start.strftime(fmt), replace=True)
+    return argv

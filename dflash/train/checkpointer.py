@@ -1,0 +1,114 @@
+"""CheckpointManager: *when* and *how* a run checkpoints, in the format its world needs (docs/architecture.md)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from dflash.distributed import World
+from dflash.rundir import RunDir
+from dflash.train.checkpoint import META, is_sharded, latest_checkpoint, load_checkpoint, read_meta, save_checkpoint
+from dflash.train.checkpoint_dcp import load_full_into, load_sharded, load_sharded_weights, save_sharded
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointManager:
+    """Owns *when* and *how* a run checkpoints: every `checkpoint.every_steps`, once more on every way the run
+    ends (completed, interrupted, failed: at most the current step is lost), `keep_last`, and loading the
+    newest complete checkpoint on resume.
+
+    One process writes `drafter.safetensors` + `state.pt`; a data-parallel run (ddp/fsdp) writes the sharded
+    format of checkpoint_dcp.py, every rank its part. Either loads into either. Decisions that depend on the
+    file system are made by rank 0 and broadcast, so ranks never disagree about a collective.
+
+    `extra_state()` supplies what the tracking sinks need back on resume (the W&B run id).
+    """
+
+    def __init__(self, cfg, run_dir: Path, drafter, target_path: str, world: World | None = None, model=None):
+        self.cfg = cfg  # the `checkpoint` config group
+        self.run_dir = Path(run_dir)
+        self.drafter = drafter
+        self.model = model if model is not None else drafter  # the DDP/FSDP-wrapped drafter
+        self.world = world or World()
+        self.target_path = target_path
+        self.on_saved: Callable[[int, Path], None] = lambda step, path: None
+        self.extra_state: Callable[[], dict] = dict
+        self.resumed_state: dict = {}  # meta.json of the checkpoint a resume loaded
+
+    def should_save(self, step: int) -> bool:
+        return bool(self.cfg.enabled and self.cfg.every_steps and step % self.cfg.every_steps == 0)
+
+    def maybe_save(self, trainer) -> None:
+        if self.should_save(trainer.step):
+            self.save(trainer)
+
+    def save(self, trainer) -> Path:
+        # a resumed job without W&B keeps the resumed id for the next resume that has W&B
+        run_id = self.extra_state().get("wandb_run_id") or self.resumed_state.get("wandb_run_id")
+        extra = {"wandb_run_id": run_id, "target": self.target_path}
+        if self.world.distributed:
+            final = RunDir(self.run_dir).checkpoints / f"step_{trainer.step}"
+            path = save_sharded(final, self.model, trainer, self.world, extra, self.cfg.keep_last)
+        else:
+            path = save_checkpoint(self.run_dir, self.drafter, trainer.state_dict(), extra, self.cfg.keep_last)
+        self.on_saved(trainer.step, path)
+        return path
+
+    def save_final(self, trainer) -> Path | None:
+        """The checkpoint of the step the run ended on, unless it exists already or nothing was trained."""
+        if trainer.step == 0 or not self.cfg.enabled:
+            return None
+        last = self.world.broadcast_object(latest_checkpoint(self.run_dir) if self.world.is_main else None)
+        if last is not None and last.name == f"step_{trainer.step}":
+            return None
+        return self.save(trainer)
+
+    def resume(self, trainer) -> int | None:
+        """Load the newest complete checkpoint into the drafter and trainer; returns its step (None: none)."""
+        ckpt = self.world.broadcast_object(latest_checkpoint(self.run_dir) if self.world.is_main else None)
+        if ckpt is None:
+            log.warning("resume=%s: no complete checkpoint, starting from step 0", self.run_dir)
+            return None
+        if is_sharded(ckpt):
+            self.resumed_state = load_sharded(ckpt, self.model, trainer, self.world)
+        elif self.world.distributed:
+            self.resumed_state = load_full_into(ckpt, self.model, trainer)
+        else:
+            self.resumed_state = load_checkpoint(ckpt, self.drafter, trainer)
+        log.info("resuming %s from %s (step %d)", self.run_dir, ckpt.name, trainer.step)
+        return trainer.step
+
+
+def load_drafter_from_source(source: Path):
+    """A drafter from a checkpoint dir, a run dir (its latest checkpoint, else its drafter/), or a drafter dir.
+    Returns (drafter, target path or None)."""
+    from transformers import Qwen3Config
+
+    from dflash.model.drafter import DFlashDraftModel
+
+    source = Path(source)
+    target = None
+    run = RunDir(source)
+    if run.config_file.exists():
+        from omegaconf import OmegaConf
+
+        target = OmegaConf.load(run.config_file).model.target
+        ckpt = latest_checkpoint(source)
+        if ckpt is None:
+            if (run.drafter / "config.json").exists():
+                return DFlashDraftModel.from_pretrained(run.drafter), target
+            raise FileNotFoundError(f"{source}: run has no complete checkpoint and no drafter/")
+        source = ckpt
+    if (source / META).exists():
+        meta = read_meta(source)
+        drafter = DFlashDraftModel(Qwen3Config.from_dict(meta["drafter_config"]))
+        if is_sharded(source):
+            load_sharded_weights(source, drafter)
+        else:
+            load_checkpoint(source, drafter)
+        return drafter, target or meta.get("target")
+    if (source / "config.json").exists():
+        return DFlashDraftModel.from_pretrained(source), target
+    raise FileNotFoundError(f"{source}: not a run dir, checkpoint dir or drafter dir")

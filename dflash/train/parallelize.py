@@ -1,0 +1,66 @@
+"""The drafter across ranks: DDP or FSDP2 wrapping, and its full weights gathered back for eval and export.
+
+The frozen target (and its LM head, which the loss shares) stays outside: every rank holds a replica.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash.distributed import World
+from dflash.model.drafter import DFlashDraftModel
+
+
+def parallelize_drafter(drafter: nn.Module, world: World, mixed_precision: bool = True) -> nn.Module:
+    """The module the trainer calls: the drafter itself (single), DistributedDataParallel around it (ddp), or
+    the drafter with FSDP2 `fully_shard` on each decoder layer and on the root (fsdp, in place)."""
+    if world.mode == "single":
+        return drafter
+    if world.mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [world.device.index] if world.device.type == "cuda" else None
+        return DistributedDataParallel(drafter, device_ids=device_ids)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy()
+    if mixed_precision and world.device.type == "cuda":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in drafter.layers:
+        fully_shard(layer, mesh=world.mesh, mp_policy=mp)
+    fully_shard(drafter, mesh=world.mesh, mp_policy=mp)
+    return drafter
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The drafter inside a DDP wrapper (FSDP2 shards in place: the module is the drafter)."""
+    return getattr(model, "module", model)
+
+
+def full_state_dict(model: nn.Module, world: World) -> dict[str, torch.Tensor] | None:
+    """The drafter's full weights on CPU on rank 0, None elsewhere. Under fsdp this is a collective: every rank
+    must call it at the same point."""
+    if world.mode == "single":
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return state if world.is_main else None
+
+
+def plain_copy(drafter: nn.Module, state: dict[str, torch.Tensor], device: torch.device) -> nn.Module:
+    """An unwrapped drafter of the same config holding `state`, on `device`, in eval mode, without grads."""
+    import copy
+
+    unwrapped = unwrap(drafter)
+    with torch.device("meta"):  # not type(unwrapped): FSDP2 swaps the class of a sharded module
+        clone = DFlashDraftModel(copy.deepcopy(unwrapped.config))
+    clone.load_state_dict(state, assign=True, strict=True)
+    # non-persistent buffers (RoPE inv_freq) are not in the state dict
+    for name, buf in unwrapped.named_buffers():
+        owner_name, _, attr = name.rpartition(".")
+        owner = clone.get_submodule(owner_name) if owner_name else clone
+        owner._buffers[attr] = buf.detach().clone()
+    clone.requires_grad_(False)
+    return clone.to(device).eval()
