@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint format bench clean
+.PHONY: setup run run-dist test lint format bench clean
 
 setup: $(STAMP)
 
@@ -17,6 +17,12 @@ $(STAMP): pyproject.toml
 
 run: setup
 	$(PY) launch.py $(ARGS)
+
+# data-parallel training on this node: make run-dist NPROC=8 PARALLEL=fsdp ARGS="model=qwen3_8b ..."
+NPROC ?= 2
+PARALLEL ?= ddp
+run-dist: setup
+	$(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) launch.py parallel=$(PARALLEL) $(ARGS)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

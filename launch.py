@@ -9,6 +9,7 @@ import hydra
 from omegaconf import DictConfig
 
 from dflash.config import register_configs
+from dflash.rundir import CONFIG_FILE
 
 register_configs()
 
@@ -22,7 +23,7 @@ def _route_resume(argv: list[str]) -> list[str]:
             if not run_dir:
                 return argv
             run_dir = str(Path(run_dir).expanduser())  # Hydra would make a literal "~" directory
-            if not (Path(run_dir) / "config_resolved.yaml").is_file():
+            if not (Path(run_dir) / CONFIG_FILE).is_file():
                 # before Hydra runs: it would create the mistyped directory
                 sys.exit(f"error: resume={run_dir}: not a run directory (no config_resolved.yaml there)")
             argv = [*argv[:i], f"resume={run_dir}", *argv[i + 1 :]]
@@ -43,5 +44,5 @@ if __name__ == "__main__":
     from dflash.distributed import agree_on_launch, shutdown
 
     atexit.register(shutdown)  # torchrun: leave the process group once, after every job of a multirun
-    sys.argv = agree_on_launch(_route_resume(sys.argv))
+    sys.argv = agree_on_launch(_route_resume(sys.argv), Path(__file__).parent / "conf" / "config.yaml")
     main()

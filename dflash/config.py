@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -21,7 +22,9 @@ class ConfigError(ValueError):
     """A config value a user set is out of range or inconsistent; the message names the dotted key."""
 
 
-# z-lab's per-block-size default for the position decay (paper App. A.1); other sizes interpolate.
+# conf/ beside the package (launch.py composes it; benchmarks and tests compose it too)
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
 # Allowed values: the one home of each list. validate() checks against them; the modules that dispatch on
 # them and the CLIs import them from here.
 LOSS_NAMES = ("ce_decay", "kl", "kl_streak")
@@ -36,12 +39,13 @@ PIPELINE_MODES = ("async", "sync")
 PARALLEL_NAMES = ("single", "ddp", "fsdp")
 BACKENDS = ("auto", "nccl", "gloo")
 
+# z-lab's per-block-size default for the position decay (paper App. A.1); other sizes interpolate.
 DEFAULT_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
 @dataclass
 class TinyBuildConfig:
-    """How `dflash/tiny.py` builds the embedded default target when `model.target` does not exist yet."""
+    """How `dflash/tools/tiny.py` builds the embedded default target when `model.target` does not exist yet."""
 
     kind: str = "none"  # none | tiny | tiny_random
     vocab_size: int = 4096
@@ -240,12 +244,6 @@ class Config:
 
 def register_configs() -> None:
     ConfigStore.instance().store(name="base_config", node=Config)
-    # `${launch_time:FMT}` names run directories; launch.py replaces it with the time every rank agrees on
-    if not OmegaConf.has_resolver("launch_time"):
-        import datetime
-
-        start = datetime.datetime.now()
-        OmegaConf.register_new_resolver("launch_time", lambda fmt: start.strftime(fmt))
 
 
 def _check(ok: bool, key: str, value: Any, rule: str) -> None:

@@ -13,9 +13,11 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import os
+import re
 import socket
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -203,30 +205,37 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def agree_on_launch(argv: list[str]) -> list[str]:
-    """Before Hydra starts: every rank of a torchrun job must write to rank 0's run directory (Hydra's
-    `${now:...}` differs per process). Registers the `launch_time` resolver conf/config.yaml names its
-    directories with (rank 0's start time, broadcast), and keeps ranks > 0 out of the files rank 0 owns:
-    no .hydra/ of their own, a log of their own (`launch.rank<r>.log`, warnings and errors)."""
+def agree_on_launch(argv: list[str], config_file: Path) -> list[str]:
+    """Before Hydra starts: every rank of a torchrun job must write to rank 0's run directory, but Hydra's
+    `${now:...}` differs per process. So under torchrun the run and sweep directories are passed explicitly,
+    their `${now:FMT}` replaced by rank 0's start time (broadcast); ranks > 0 also write no .hydra/ of their own
+    and log warnings to `launch.rank<r>.log`. (Hydra's submitit launcher needs none of this: its tasks share
+    the launching process's resolved directories.)"""
+    if not (launched_distributed() and int(os.environ["WORLD_SIZE"]) > 1):
+        return argv
     import datetime
 
     from omegaconf import OmegaConf
 
-    start = datetime.datetime.now()
-    if launched_distributed() and int(os.environ["WORLD_SIZE"]) > 1:
-        init_process_group(
-            os.environ.get("DFLASH_BACKEND", "auto"), float(os.environ.get("DFLASH_INIT_TIMEOUT_S", 300))
-        )
-        box = [start]
-        dist.broadcast_object_list(box, src=0)
-        start = box[0]
-        rank = dist.get_rank()
-        if rank > 0:
-            argv = [a for a in argv if not a.startswith("hydra.output_subdir=")]
-            argv += [
-                "hydra.output_subdir=null",
-                f"hydra.job_logging.handlers.file.filename=${{hydra.runtime.output_dir}}/launch.rank{rank}.log",
-                "hydra.job_logging.root.level=WARNING",
-            ]
-    OmegaConf.register_new_resolver("launch_time", lambda fmt: start.strftime(fmt), replace=True)
+    timeout_s = float(os.environ.get("DFLASH_INIT_TIMEOUT_S", 300))
+    init_process_group(os.environ.get("DFLASH_BACKEND", "auto"), timeout_s)
+    box = [datetime.datetime.now()]
+    dist.broadcast_object_list(box, src=0)
+    start = box[0]
+    hydra_cfg = OmegaConf.to_container(OmegaConf.load(config_file), resolve=False).get("hydra", {})
+    argv = list(argv)
+    for key in ("run", "sweep"):
+        given = [a for a in argv if a.startswith(f"hydra.{key}.dir=")]
+        pattern = given[-1].split("=", 1)[1] if given else hydra_cfg.get(key, {}).get("dir")
+        if pattern:
+            fixed = re.sub(r"\$\{now:([^}]*)\}", lambda m: start.strftime(m.group(1)), pattern)
+            argv = [a for a in argv if not a.startswith(f"hydra.{key}.dir=")] + [f"hydra.{key}.dir={fixed}"]
+    rank = dist.get_rank()
+    if rank > 0:
+        argv = [a for a in argv if not a.startswith("hydra.output_subdir=")]
+        argv += [
+            "hydra.output_subdir=null",
+            f"hydra.job_logging.handlers.file.filename=${{hydra.runtime.output_dir}}/launch.rank{rank}.log",
+            "hydra.job_logging.root.level=WARNING",
+        ]
     return argv

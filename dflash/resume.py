@@ -41,13 +41,19 @@ _MOVED_KEYS = {
 }
 
 
+# keys that are gone: pipeline.drafter_workers became the `parallel` group (torchrun ranks)
+_DROPPED_KEYS = ("pipeline.drafter_workers",)
+
+
 def _upgrade(saved: DictConfig) -> DictConfig:
-    """A config saved by an older version, with moved keys under their new names (fault injection was `train.*`)."""
-    for old, new in _MOVED_KEYS.items():
+    """A config saved by an older version, with moved keys under their new names (fault injection was
+    `train.*`) and dropped keys removed."""
+    for old in (*_MOVED_KEYS, *_DROPPED_KEYS):
         group, _, key = old.partition(".")
         if group in saved and key in saved[group]:
             value = saved[group].pop(key)
-            OmegaConf.update(saved, new, value, force_add=True)
+            if old in _MOVED_KEYS:
+                OmegaConf.update(saved, _MOVED_KEYS[old], value, force_add=True)
     return saved
 
 

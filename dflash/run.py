@@ -118,7 +118,8 @@ def main(cfg: DictConfig, info: JobInfo | None = None) -> float | None:
                 run.append_resume(info.overrides)
             else:
                 run.write_run_info(info.overrides, info.choices)
-        validate(cfg)  # after the files above: a fresh run's bad config still leaves status.json = failed
+        if not cfg.resume:  # after the files above: a fresh run's bad config still leaves status.json = failed
+            validate(cfg)
         world = init_world(cfg.parallel, cfg.model.device)
         if is_main:
             run.add_run_info("world", world.describe(), resumed=bool(cfg.resume))
@@ -168,7 +169,7 @@ def train(
     callbacks = build_callbacks(cfg, run_dir, job.trainer.total_steps) if world.is_main else CallbackList()
     job.evaluator.on_result = callbacks.on_eval
     job.checkpoints.on_saved = callbacks.on_checkpoint
-    job.checkpoints.extra_state = callbacks.state  # the W&B run id, for a resume to continue the same run
+    job.checkpoints.tracking_state = callbacks.state  # the W&B run id, for a resume to continue the same run
     callbacks.on_run_start(
         RunInfo(
             run_dir=run.path,
@@ -177,7 +178,7 @@ def train(
             job_name=info.job_name,
             sweep_dir=info.sweep_dir,
             experiment=cfg.experiment,
-            wandb_run_id=job.checkpoints.resumed_state.get("wandb_run_id"),
+            wandb_run_id=job.checkpoints.resumed_meta.get("wandb_run_id"),
             start_step=job.trainer.step,
         )
     )
@@ -281,6 +282,8 @@ def run_pipeline(cfg: DictConfig, job: Job, stop: threading.Event, on_tick) -> s
             log.info("nothing to train: step %d of %d already done", job.trainer.step, job.trainer.total_steps)
         else:
             pipeline.run()
+        # decided before the final checkpoint: a signal during it does not make a finished run `interrupted`
+        interrupted = (stop.is_set() or job.trainer.stopped_on_request) and not job.trainer.done()
         if _drafter_still_running(pipeline):
             raise RuntimeError(
                 f"the drafter stage did not stop within pipeline.join_timeout_s={cfg.pipeline.join_timeout_s} s "
@@ -294,7 +297,7 @@ def run_pipeline(cfg: DictConfig, job: Job, stop: threading.Event, on_tick) -> s
             job.checkpoints.save_final(job.trainer)
         raise
     job.checkpoints.save_final(job.trainer)
-    return "interrupted" if stop.is_set() or job.trainer.stopped_on_request else "completed"
+    return "interrupted" if interrupted else "completed"
 
 
 def _ticker(job: Job, callbacks: CallbackList, summary: dict, t_start: float):

@@ -11,7 +11,8 @@
       drafter/              the exported drafter (dflash.model.export)
       wandb/                W&B's own files
 
-Writers go through `RunDir`; `load_run` / `find_runs` are the readers of `compare`, `sweep` and `evaluate`.
+Writers go through `RunDir` (whose `read_*` methods serve the run and `evaluate`); `load_run` / `find_runs` are
+the readers of `compare` and `sweep`.
 Every reader is lenient (`dflash.jsonio.read_json`): a file cut short by a killed process reads as missing.
 """
 
@@ -137,7 +138,13 @@ class RunDir:
 
     def append_resume(self, overrides: list[str]) -> None:
         """run.json keeps how the run was started; each resume is appended to its `resumes` list."""
-        info = read_json(self.run_info_file, default={})
+        info = read_json(self.run_info_file, default=None)
+        if not isinstance(info, dict):  # unreadable: keep it for a person to look at, start a new record
+            if self.run_info_file.exists():
+                aside = self.run_info_file.with_name(f"run.json.unreadable-{int(time.time())}")
+                self.run_info_file.rename(aside)
+                log.warning("run.json could not be read; kept as %s, a new one records this resume", aside.name)
+            info = {}
         entry = {"time": now_iso(), "argv": redact(list(sys.argv)), "overrides": redact(list(overrides))}
         info.setdefault("resumes", []).append(scrub_json(entry))
         write_json(self.run_info_file, info)

@@ -4,6 +4,8 @@
 #   1. issue 5: the pipeline bench on a ~1B-parameter Qwen3-shaped target, bf16: tokens/s, busy fractions, MFU
 #   2. the FlexAttention training path (model.attention=flex: a BlockMask, compiled) for a few steps
 #   3. feature noise on CUDA (its generator must live on the GPU)
+#   4. issue 13: data-parallel training with NCCL: DDP and FSDP2 (bf16 mixed precision) on the GPUs there are
+#      (2 ranks need 2 GPUs; on 1 GPU a 1-rank world checks the NCCL/FSDP2/DCP path), and the dist bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -20,3 +22,13 @@ timeout 300 "$PY" launch.py experiment=smoke model.device=cuda model.attention=f
   schedule.noise_end=0.01 train.max_steps=20 "hydra.run.dir=$OUT/flex_noise" > "$OUT/flex_noise.log" 2>&1
 echo "exit $?; status: $(cat "$OUT/flex_noise/status.json" 2>/dev/null | tr -d '\n ')"
 tail -5 "$OUT/flex_noise.log"
+
+echo "== 4. data parallel with NCCL (DDP, FSDP2) + dist bench"
+NGPU=$(nvidia-smi --list-gpus | wc -l)
+NPROC=$(( NGPU >= 2 ? 2 : 1 ))
+for PAR in ddp fsdp; do
+  timeout 300 "$PY" -m torch.distributed.run --standalone --nproc-per-node=$NPROC launch.py experiment=smoke \
+    parallel=$PAR train.batch_size=4 train.max_steps=20 "hydra.run.dir=$OUT/dp_$PAR" > "$OUT/dp_$PAR.log" 2>&1
+  echo "$PAR x $NPROC: exit $?; status: $(tr -d '\n ' < "$OUT/dp_$PAR/status.json" 2>/dev/null)"
+done
+timeout 300 "$PY" -m dflash.bench dist device=cuda nproc=$NPROC 2>&1 | tee "$OUT/bench_dist.txt" | tail -4

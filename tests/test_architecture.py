@@ -113,6 +113,26 @@ def test_code_cites_only_files_in_the_repository():
     assert (REPO / "docs" / "architecture.md").is_file()
 
 
+def test_cited_source_paths_exist():
+    """Docstrings, comments and docs name `dflash/...py` files that are really there."""
+    import re
+
+    texts = [
+        *PACKAGE.rglob("*.py"),
+        *(REPO / "tests").rglob("*.py"),
+        REPO / "README.md",
+        *(REPO / "docs").glob("*.md"),
+        *(REPO / "conf").rglob("*.yaml"),
+    ]
+    missing = {
+        f"{p.relative_to(REPO)}: {m}"
+        for p in texts
+        for m in re.findall(r"\bdflash/[\w/]+\.py\b", p.read_text())
+        if not (REPO / m).exists()
+    }
+    assert not missing, sorted(missing)
+
+
 def test_train_reads_as_a_short_sequence():
     tree = ast.parse((PACKAGE / "run.py").read_text())
     train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")

@@ -154,3 +154,22 @@ def test_cuda_device_without_cuda_is_a_config_error(monkeypatch):
     with pytest.raises(ConfigError, match="model.device='cuda:1' is invalid: torch sees no CUDA device"):
         resolve_device("cuda:1")
     assert resolve_device("auto").type == "cpu" and resolve_device("cpu").type == "cpu"
+
+
+def test_resume_upgrades_a_config_saved_by_an_older_version(tmp_path):
+    """Fault-injection keys moved from train.* to debug.*, pipeline.drafter_workers is gone: an old run resumes."""
+    from dflash.resume import resume_config
+
+    run_dir = tmp_path / "old"
+    run_dir.mkdir()
+    saved = OmegaConf.to_container(_compose([]), resolve=True)
+    saved.pop("debug")
+    saved.pop("parallel")
+    saved["train"]["crash_at_step"] = 9
+    saved["pipeline"]["drafter_workers"] = 1
+    OmegaConf.save(OmegaConf.create(saved), run_dir / "config_resolved.yaml")
+    cfg = _compose([f"resume={run_dir}"])
+    merged = resume_config(cfg, run_dir, [f"resume={run_dir}"])
+    assert merged.debug.crash_at_step == 9 and "crash_at_step" not in merged.train
+    assert "drafter_workers" not in merged.pipeline and merged.parallel.name == "single"
+    validate(merged)

@@ -1,4 +1,4 @@
-"""Tests for dflash/evaluate.py: the verify loop, tau statistics, losslessness, the drafter cache, the CLI."""
+"""Tests for dflash/evaluation/: the verify loop, tau statistics, losslessness, the drafter cache, the CLI."""
 
 from __future__ import annotations
 

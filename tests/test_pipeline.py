@@ -1,4 +1,4 @@
-"""Tests for dflash/pipeline.py with fake stages (time.sleep and small tensors); no model is involved."""
+"""Tests for dflash/train/pipeline.py with fake stages (time.sleep and small tensors); no model is involved."""
 
 from __future__ import annotations
 

@@ -90,7 +90,10 @@ def regenerated_corpus(
         return [Document(d["ids"], [bool(m) for m in d["mask"]]) for d in raw]
     texts = [read_text(p) for p in stdlib_files("train", data_cfg.holdout_fraction, data_cfg.max_files)]
     prompts = sample_prompts(tokenizer, texts, r.num_prompts, r.prompt_len, seed)
-    docs = regenerate_documents(model, tokenizer, prompts, r, seed)
+    device = next(model.parameters()).device
+    # its own seed, and the caller's RNG state left as it was (a cache hit must not train differently)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        docs = regenerate_documents(model, tokenizer, prompts, r, seed)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_name(cache.name + ".tmp")

@@ -32,7 +32,8 @@ class _Inputs:
     drafter_dir: Path
     target: str
     run_cfg: Any = None  # the run's resolved config (DictConfig); None for a bare drafter directory
-    run_eval: dict | None = None  # the run's eval.json: its settings and prompts
+    run_eval: dict | None = None  # the run's eval.json: its prompts and the settings they were evaluated with
+    replay: bool = False  # evaluating the recorded prompts: their recorded settings are the defaults
 
 
 def _resolve_run_target(run: RunDir, target: str) -> str:
@@ -65,10 +66,13 @@ def _resolve_inputs(path: str, target_arg: str | None) -> _Inputs:
     raise FileNotFoundError(f"{path}: neither a run directory ({CONFIG_FILE}) nor a drafter directory (config.json)")
 
 
-def _setting(cli_value, run_cfg, key: str, default):
-    """CLI flag, else the run's eval.<key>, else the default."""
+def _setting(cli_value, run_cfg, key: str, default, recorded: dict | None = None, recorded_key: str | None = None):
+    """CLI flag, else the setting eval.json recorded (replaying its prompts), else the run's eval.<key>, else
+    the default."""
     if cli_value is not None:
         return cli_value
+    if recorded and recorded.get(recorded_key or key) is not None:
+        return recorded[recorded_key or key]
     if run_cfg is not None and run_cfg.get("eval") is not None and run_cfg.eval.get(key) is not None:
         return run_cfg.eval[key]
     return default
@@ -78,6 +82,8 @@ def _seed(args, inputs: _Inputs) -> int:
     """--seed, else the run's train.seed (its eval prompts, sampling and untrained baseline used it), else 0."""
     if args.seed is not None:
         return args.seed
+    if inputs.replay and (inputs.run_eval or {}).get("seed") is not None:
+        return int(inputs.run_eval["seed"])
     return int(OmegaConf.select(inputs.run_cfg, "train.seed", default=0)) if inputs.run_cfg is not None else 0
 
 
@@ -87,7 +93,8 @@ def _load_prompts(args, inputs: _Inputs, tokenizer) -> list[list[int]]:
     chooses = (args.prompts_file, args.num_prompts, args.prompt_len)
     recorded = (inputs.run_eval or {}).get("prompts")
     if recorded and all(v is None for v in chooses):
-        log.info("prompts: the %d recorded in the run's eval.json", len(recorded))
+        log.info("prompts: the %d recorded in the run's eval.json, with its settings", len(recorded))
+        inputs.replay = True
         return [list(map(int, p)) for p in recorded]
     run_cfg = inputs.run_cfg
     eval_cfg = OmegaConf.structured(
@@ -170,17 +177,19 @@ def _run_cli(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"target {inputs.target} does not fit drafter {inputs.drafter_dir}: {e}") from None
     tokenizer = AutoTokenizer.from_pretrained(inputs.target)
     prompts = _load_prompts(args, inputs, tokenizer)
-    temperature = float(_setting(args.temperature, inputs.run_cfg, "temperature", 0.0))
-    max_new_tokens = int(_setting(args.max_new_tokens, inputs.run_cfg, "max_new_tokens", 64))
-    ngram = int(_setting(args.ngram, inputs.run_cfg, "prompt_lookup_ngram", 3))
+    recorded = (inputs.run_eval or {}).get("details") if inputs.replay else None
+    temperature = float(_setting(args.temperature, inputs.run_cfg, "temperature", 0.0, recorded))
+    max_new_tokens = int(_setting(args.max_new_tokens, inputs.run_cfg, "max_new_tokens", 64, recorded))
+    ngram = int(_setting(args.ngram, inputs.run_cfg, "prompt_lookup_ngram", 3, recorded, "ngram"))
+    block_size = args.block_size or (recorded or {}).get("block_size")
     seed = _seed(args, inputs)
-    baselines = not args.no_baselines
+    baselines = not args.no_baselines and bool(_setting(None, inputs.run_cfg, "baselines", True))
     result = evaluate(
         target,
         drafter,
         prompts,
         max_new_tokens=max_new_tokens,
-        block_size=args.block_size,
+        block_size=block_size,
         temperature=temperature,
         baselines=baselines,
         ngram=ngram,

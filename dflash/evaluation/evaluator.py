@@ -297,7 +297,7 @@ class Evaluator:
 
     def maybe_eval(self, trainer) -> None:
         if self.should_eval(trainer.step, trainer.done()):
-            self.evaluate(trainer.step)
+            self.run_eval(trainer.step)
 
     def _current_weights(self) -> DFlashDraftModel | None:
         """A consistent copy of the drafter's weights (training may go on in other threads); rank 0 only."""
@@ -306,7 +306,7 @@ class Evaluator:
         state = full_state_dict(self.model, self.world)  # every rank: a collective under fsdp
         return plain_copy(self.drafter, state, module_device(self.target.model)) if self.world.is_main else None
 
-    def evaluate(self, step: int, final: bool = False, drafter: DFlashDraftModel | None = None) -> dict[str, float]:
+    def run_eval(self, step: int, final: bool = False, drafter: DFlashDraftModel | None = None) -> dict[str, float]:
         """Evaluate the drafter's current weights (or `drafter`); the final eval adds the baselines and writes
         eval.json."""
         snapshot = drafter if drafter is not None else self._current_weights()
@@ -358,4 +358,4 @@ class Evaluator:
             return {k: v for k, v in done["metrics"].items() if isinstance(v, (int, float))}
         if drafter is not None and not self.world.distributed:
             drafter = frozen_copy(drafter)  # as the periodic evals: a detached copy in eval mode
-        return self.evaluate(step, final=True, drafter=drafter)
+        return self.run_eval(step, final=True, drafter=drafter)

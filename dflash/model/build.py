@@ -31,7 +31,7 @@ def build_drafter_config(target_config, model_cfg, target_layer_ids: list[int], 
             f"model.draft_num_attention_heads={heads} is invalid with model.draft_num_key_value_heads={kv_heads} "
             "(null = the target's): the query heads must be a multiple of the key/value heads"
         )
-    # The drafter applies plain RoPE (dflash/drafter.py), so its config says exactly that: copying a target's
+    # The drafter applies plain RoPE (dflash/model/drafter.py), so its config says exactly that: copying a target's
     # scaled RoPE (yarn, ...) would make serving engines apply a scaling the drafter was not trained with.
     target_rope = dict(getattr(target_config, "rope_parameters", None) or {})
     theta = float(target_rope.get("rope_theta", getattr(target_config, "rope_theta", None) or 10000.0))

@@ -1,8 +1,8 @@
-"""Drafter config, export in z-lab's layout, and checked loading.
+"""The drafter export in z-lab's layout, and checked loading (the drafter config is built in model/build.py).
 
 An exported drafter directory holds `config.json` (Qwen3 fields + `architectures: ["DFlashDraftModel"]`,
 `auto_map`, top-level `block_size`, `num_target_layers`, `rope_theta`, `dflash_config`), `model.safetensors`
-(unprefixed keys, no embed_tokens / lm_head) and `dflash.py` (a copy of dflash/drafter.py), so z-lab's
+(unprefixed keys, no embed_tokens / lm_head) and `dflash.py` (a copy of dflash/model/drafter.py), so z-lab's
 `AutoModel.from_pretrained(dir, trust_remote_code=True)`, SGLang and vLLM load it.
 
     python -m dflash.export CHECKPOINT_OR_RUN_DIR OUT_DIR

@@ -23,7 +23,7 @@ class CheckpointManager:
     format of checkpoint_dcp.py, every rank its part. Either loads into either. Decisions that depend on the
     file system are made by rank 0 and broadcast, so ranks never disagree about a collective.
 
-    `extra_state()` supplies what the tracking sinks need back on resume (the W&B run id).
+    `tracking_state()` supplies what the tracking sinks need back on resume (the W&B run id).
     """
 
     def __init__(self, cfg, run_dir: Path, drafter, target_path: str, world: World | None = None, model=None):
@@ -33,9 +33,9 @@ class CheckpointManager:
         self.model = model if model is not None else drafter  # the DDP/FSDP-wrapped drafter
         self.world = world or World()
         self.target_path = target_path
-        self.on_saved: Callable[[int, Path], None] = lambda step, path: None
-        self.extra_state: Callable[[], dict] = dict
-        self.resumed_state: dict = {}  # meta.json of the checkpoint a resume loaded
+        self.on_saved: Callable[[int, str], None] = lambda step, path: None
+        self.tracking_state: Callable[[], dict] = dict
+        self.resumed_meta: dict = {}  # meta.json of the checkpoint a resume loaded
 
     def should_save(self, step: int) -> bool:
         return bool(self.cfg.enabled and self.cfg.every_steps and step % self.cfg.every_steps == 0)
@@ -46,14 +46,14 @@ class CheckpointManager:
 
     def save(self, trainer) -> Path:
         # a resumed job without W&B keeps the resumed id for the next resume that has W&B
-        run_id = self.extra_state().get("wandb_run_id") or self.resumed_state.get("wandb_run_id")
+        run_id = self.tracking_state().get("wandb_run_id") or self.resumed_meta.get("wandb_run_id")
         extra = {"wandb_run_id": run_id, "target": self.target_path}
         if self.world.distributed:
             final = RunDir(self.run_dir).checkpoints / f"step_{trainer.step}"
             path = save_sharded(final, self.model, trainer, self.world, extra, self.cfg.keep_last)
         else:
             path = save_checkpoint(self.run_dir, self.drafter, trainer.state_dict(), extra, self.cfg.keep_last)
-        self.on_saved(trainer.step, path)
+        self.on_saved(trainer.step, str(path))
         return path
 
     def save_final(self, trainer) -> Path | None:
@@ -72,11 +72,11 @@ class CheckpointManager:
             log.warning("resume=%s: no complete checkpoint, starting from step 0", self.run_dir)
             return None
         if is_sharded(ckpt):
-            self.resumed_state = load_sharded(ckpt, self.model, trainer, self.world)
+            self.resumed_meta = load_sharded(ckpt, self.model, trainer, self.world)
         elif self.world.distributed:
-            self.resumed_state = load_full_into(ckpt, self.model, trainer)
+            self.resumed_meta = load_full_into(ckpt, self.model, trainer)
         else:
-            self.resumed_state = load_checkpoint(ckpt, self.drafter, trainer)
+            self.resumed_meta = load_checkpoint(ckpt, self.drafter, trainer)
         log.info("resuming %s from %s (step %d)", self.run_dir, ckpt.name, trainer.step)
         return trainer.step
 

@@ -1,6 +1,6 @@
 """The two stage functions the pipeline runs: the target step (features) and the drafter training step.
 
-Nothing here knows about threads or Hydra: `pipeline.Pipeline` calls `TargetForward` and `DrafterTrainer.step`,
+Nothing here knows about threads or Hydra: `pipeline.Pipeline` calls `TargetForward` and `DrafterTrainer.train_on`,
 either in sequence (pipeline=sync) or in threads joined by bounded queues (pipeline=async).
 
 Determinism: the anchors and the feature noise of optimizer step t come from generators seeded with

@@ -20,7 +20,11 @@ import importlib
 import sys
 
 # name -> module whose `bench(args)` runs it; imported on use, so `--help` needs no torch
-BENCHES = {"loss": "dflash.tools.bench.loss", "pipeline": "dflash.tools.bench.pipeline"}
+BENCHES = {
+    "loss": "dflash.tools.bench.loss",
+    "pipeline": "dflash.tools.bench.pipeline",
+    "dist": "dflash.tools.bench.dist",
+}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -78,11 +78,10 @@ SHAPES = {
 def _config(opts: dict, target_dir: Path, num_anchors: int):
     from hydra import compose, initialize_config_dir
 
-    from dflash.config import register_configs
+    from dflash.config import CONF_DIR, register_configs
 
     register_configs()
-    conf = Path(__file__).resolve().parent.parent / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(
             config_name="config",
             overrides=[

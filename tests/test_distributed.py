@@ -1,0 +1,276 @@
+"""Data-parallel training under torchrun with gloo on CPU: 2 processes, the tiny random target."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, launch
+from safetensors.torch import load_file
+
+from dflash.data.batches import Batch, rank_batches, rank_slice
+from dflash.distributed import World, init_world
+
+SMALL = ["experiment=smoke", "pipeline=sync", "train.batch_size=4", "eval.num_prompts=0"]
+
+
+def torchrun(
+    args: list[str], cache_dir: Path, nproc: int = 2, timeout: float = 300, check: bool = False, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    full_env = {
+        **os.environ,
+        "DFLASH_CACHE_DIR": str(cache_dir),
+        "WANDB_MODE": "disabled",
+        "PYTHONUNBUFFERED": "1",
+        "HYDRA_FULL_ERROR": "1",
+        **(env or {}),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "launch.py",
+        *args,
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"torchrun {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "drafter" / "model.safetensors"))
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b)
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def train_records(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "train/loss" in r]
+
+
+def status(run_dir: Path) -> dict:
+    return json.loads((run_dir / "status.json").read_text())
+
+
+# --------------------------------------------------------------------------------------------- unit
+
+
+def test_rank_slices_cover_the_global_batch_in_order():
+    ids = torch.arange(4 * 8).view(4, 8)
+    mask = ids % 3 == 0
+    batch = Batch(ids, mask, ids.numel(), data_pass=1, index=5)
+    parts = [rank_slice(batch, r, 2) for r in range(2)]
+    assert torch.equal(torch.cat([p.input_ids for p in parts]), ids)
+    assert [p.row_start for p in parts] == [0, 2] and all(p.global_tokens == 32 for p in parts)
+    assert all(torch.equal(p.global_loss_mask, mask) for p in parts) and parts[1].num_tokens == 16
+    assert list(rank_batches(iter([batch]), 0, 1)) == [batch]  # one rank: the global batch as it is
+    with pytest.raises(ValueError, match="must divide by the 3 ranks"):
+        rank_slice(batch, 0, 3)
+
+
+def test_single_world_needs_no_process_group(monkeypatch):
+    world = init_world(type("P", (), {"name": "single"})())
+    assert world == World() and world.is_main and not world.distributed
+    values = torch.tensor([1.0, 2.0])
+    assert world.all_reduce(values) is values and world.agree(True) and world.broadcast_object(3) == 3
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="parallel=single in a job of 2 processes"):
+        init_world(type("P", (), {"name": "single"})())
+
+
+# ----------------------------------------------------------------------------------------- torchrun
+
+
+@pytest.fixture(scope="module")
+def one_rank_reference(tmp_path_factory, cache_dir, tiny_target) -> Path:
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    launch(
+        [*SMALL, "train.max_steps=20", "pipeline.monitor_interval_s=1000", f"hydra.run.dir={run_dir}"],
+        cache_dir,
+        check=True,
+    )
+    return run_dir
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_train_like_one_rank(parallel, one_rank_reference, tmp_path, cache_dir):
+    """2 ranks x 2 sequences = 1 rank x 4 sequences: the same weights up to float round-off and the same loss."""
+    run_dir = tmp_path / "run"
+    torchrun(
+        [
+            *SMALL,
+            "train.max_steps=20",
+            "pipeline.monitor_interval_s=1000",
+            f"parallel={parallel}",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cache_dir,
+        check=True,
+    )
+    assert max_diff(weights(one_rank_reference), weights(run_dir)) < 1e-5
+    one, two = train_records(one_rank_reference)[-1], train_records(run_dir)[-1]
+    assert one["step"] == two["step"] == 20 and one["tokens"] == two["tokens"]
+    assert two["train/loss"] == pytest.approx(one["train/loss"], rel=1e-6)
+    assert two["train/avg_streak"] == pytest.approx(one["train/avg_streak"], rel=1e-6)
+    assert json.loads((run_dir / "run.json").read_text())["world"]["size"] == 2
+
+
+def test_killed_ranks_resume_at_the_same_and_another_world_size(tmp_path, cache_dir, tiny_target):
+    """SIGKILL of both ranks after the step-6 checkpoint; resumed with 2 ranks the run ends bitwise equal to an
+    uninterrupted one, and it also resumes in 1 process; metrics.jsonl never repeats a step."""
+    common = [
+        *SMALL,
+        "parallel=ddp",
+        "train.max_steps=12",
+        "checkpoint.every_steps=3",
+        "pipeline.monitor_interval_s=0.01",
+    ]
+    full = tmp_path / "full"
+    torchrun([*common, f"hydra.run.dir={full}"], cache_dir, check=True)
+    crashed = tmp_path / "crashed"
+    proc = torchrun([*common, "+debug=faults", "debug.crash_at_step=7", f"hydra.run.dir={crashed}"], cache_dir)
+    assert proc.returncode != 0 and status(crashed)["status"] == "running"  # killed: nobody wrote the end
+    assert sorted(p.name for p in (crashed / "checkpoints").iterdir()) == ["step_3", "step_6"]
+    one_rank = tmp_path / "one_rank"
+    shutil.copytree(crashed, one_rank)
+
+    torchrun([f"resume={crashed}", "debug.crash_at_step=null"], cache_dir, check=True)
+    assert status(crashed)["status"] == "completed"
+    assert max_diff(weights(full), weights(crashed)) == 0.0
+    launch([f"resume={one_rank}", "debug.crash_at_step=null"], cache_dir, check=True)  # one process
+    assert status(one_rank)["status"] == "completed"
+    assert max_diff(weights(full), weights(one_rank)) < 1e-5
+    for run_dir in (crashed, one_rank):
+        records = train_records(run_dir)
+        steps = [r["step"] for r in records]
+        assert steps == sorted(steps) and steps[-1] == 12, steps
+        # records of the crashed process and of the resumed one (time_s restarts) share no step
+        cut = next(i for i in range(1, len(records)) if records[i]["time_s"] < records[i - 1]["time_s"])
+        assert not {r["step"] for r in records[:cut]} & {r["step"] for r in records[cut:]}, steps
+
+
+def test_an_exception_on_one_rank_ends_every_rank(tmp_path, cache_dir, tiny_target):
+    run_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    proc = torchrun(
+        [
+            *SMALL,
+            "parallel=ddp",
+            "train.max_steps=200",
+            "+debug=faults",
+            "debug.fail_at_step=3",
+            "debug.fail_rank=1",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cache_dir,
+        timeout=120,
+    )
+    assert proc.returncode != 0 and time.monotonic() - t0 < 60
+    st = status(run_dir)
+    assert st["status"] == "failed" and st["error"].startswith("rank 1: "), st["error"]
+    assert "injected drafter-stage fault" in st["error"]
+
+
+def test_sigterm_to_torchrun_stops_every_rank_with_one_checkpoint(tmp_path, cache_dir, tiny_target):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "DFLASH_CACHE_DIR": str(cache_dir), "WANDB_MODE": "disabled"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "launch.py",
+        *SMALL,
+        "parallel=ddp",
+        "train.max_steps=100000",
+        "checkpoint.every_steps=0",
+        "pipeline.monitor_interval_s=0.1",
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists() or not train_records(run_dir):
+            assert time.monotonic() < deadline and proc.poll() is None, "training never started"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    st = status(run_dir)
+    assert st["status"] == "interrupted", st
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [f"step_{summary['step']}"]
+    left = subprocess.run(["pgrep", "-f", f"hydra.run.dir={run_dir}"], capture_output=True, text=True).stdout
+    assert not left.strip(), f"processes left behind: {left}"
+
+
+def test_two_ranks_write_one_run_directory(tmp_path, cache_dir, tiny_target):
+    """One config snapshot, one metrics.jsonl, one offline W&B run; rank 1 keeps its own log."""
+    run_dir = tmp_path / "run"
+    torchrun(
+        ["experiment=smoke", "parallel=ddp", "logging=wandb", "logging.wandb.mode=offline", f"hydra.run.dir={run_dir}"],
+        cache_dir,
+        check=True,
+        env={"WANDB_MODE": "offline"},
+    )
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
+    assert len(list(run_dir.rglob("config_resolved.yaml"))) == 1 and len(list(run_dir.rglob("metrics.jsonl"))) == 1
+    assert (run_dir / "launch.rank1.log").exists() and (run_dir / ".hydra" / "config.yaml").exists()
+    records = train_records(run_dir)
+    assert {"perf/hs_queue_depth_min", "perf/hs_queue_depth_max", "perf/drafter_busy_max"} <= set(records[-1])
+    world = json.loads((run_dir / "run.json").read_text())["world"]
+    assert world["size"] == 2 and world["backend"] == "gloo" and world["nodes"] == 1
+
+
+def test_submitit_local_runs_the_slurm_code_path(tmp_path, cache_dir, tiny_target):
+    """hydra/launcher=local_ddp: submitit starts 2 tasks that join one world from SLURM-style variables."""
+    sweep = tmp_path / "sweep"
+    launch(
+        ["-m", "hydra/launcher=local_ddp", "experiment=smoke", "parallel=ddp", f"hydra.sweep.dir={sweep}"],
+        cache_dir,
+        check=True,
+    )
+    assert status(sweep / "0")["status"] == "completed"
+    assert json.loads((sweep / "0" / "run.json").read_text())["world"]["size"] == 2
+    assert len(list((sweep / "0" / "checkpoints").glob("step_*/__1_0.distcp"))) >= 1  # rank 1 wrote its shard
+
+
+def test_dist_bench_prints_the_scaling_efficiency():
+    """The benchmark's plumbing (not its numbers): 1 and 2 processes measured, one efficiency line."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash.bench",
+            "dist",
+            "steps=2",
+            "warmup=1",
+            "seq_len=64",
+            "batch_size=2",
+            "num_anchors=4",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "scaling efficiency" in proc.stdout and "        2 " in proc.stdout
