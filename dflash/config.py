@@ -122,6 +122,10 @@ class LoggingConfig:
     name: str = "wandb"
     log_every_s: float = 5.0  # console refresh interval (JSONL and W&B get every monitor tick)
     console: bool = True
+    # summary.json's train/* metrics: the mean over this many last steps (not the last monitor window, whose
+    # length depends on timing), so the same config and seed give the same summary
+    summary_window_steps: int = 50
+    report: bool = True  # write report.png (python -m dflash.report) into the run dir at the end
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -324,6 +328,7 @@ def validate(cfg: DictConfig | Config) -> None:
     lg = c.logging
     _one_of("logging.wandb.mode", lg.wandb.mode, WANDB_MODES)
     _check(lg.log_every_s > 0, "logging.log_every_s", lg.log_every_s, "must be > 0")
+    _check(lg.summary_window_steps >= 1, "logging.summary_window_steps", lg.summary_window_steps, "must be >= 1")
 
     d = c.data
     _one_of("data.name", d.name, DATA_NAMES)

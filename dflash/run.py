@@ -32,6 +32,8 @@ from dflash.model.target import DTYPES, TargetModel, load_target_config, resolve
 from dflash.resume import resume_config
 from dflash.rundir import RunDir, StatusFile
 from dflash.secrets import redact
+from dflash.terminal import display, install_logging, uninstall_logging
+from dflash.tools.report import write_report
 from dflash.tools.tiny import ensure_target
 from dflash.tracking import CallbackList, RunInfo, build_callbacks, default_job_name
 from dflash.train.checkpointer import CheckpointManager
@@ -99,6 +101,7 @@ def main(cfg: DictConfig, info: JobInfo | None = None) -> float | None:
         cfg = resume_config(cfg, info.run_dir, info.overrides)
         validate(cfg)
     is_main = launch_rank() == 0  # known before the World exists: joining it may fail, and that is recorded
+    replaced_handlers = install_logging()  # on a terminal, logs scroll above the live progress rows
     status = StatusFile(run.path) if is_main else None
     if is_main:
         run.path.mkdir(parents=True, exist_ok=True)
@@ -146,6 +149,8 @@ def main(cfg: DictConfig, info: JobInfo | None = None) -> float | None:
             status.finish("failed", error=error, traceback=traceback.format_exc(limit=20))
         raise
     finally:
+        display().stop()
+        uninstall_logging(replaced_handlers)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         gc.collect()
@@ -168,6 +173,7 @@ def train(
 
     callbacks = build_callbacks(cfg, run_dir, job.trainer.total_steps) if world.is_main else CallbackList()
     job.evaluator.on_result = callbacks.on_eval
+    job.evaluator.on_final = callbacks.on_final_eval
     job.checkpoints.on_saved = callbacks.on_checkpoint
     job.checkpoints.tracking_state = callbacks.state  # the W&B run id, for a resume to continue the same run
     callbacks.on_run_start(
@@ -185,6 +191,7 @@ def train(
     summary: dict = {}
     with _callbacks_end_with(callbacks, summary) as outcome:
         outcome.status = run_pipeline(cfg, job, stop, _ticker(job, callbacks, summary, t_start))
+        summary.update(job.trainer.summary_metrics())  # not the last monitor window: that depends on timing
         final = job.gather_drafter()  # a collective under fsdp; the whole drafter on rank 0
         if world.is_main:
             export_drafter(final, run.drafter, target=cfg.model.target)
@@ -199,8 +206,22 @@ def train(
                 }
             )
             run.write_summary(summary)
+            if cfg.logging.report:
+                _write_report(run)
         world.barrier()  # every rank ends the job together (the next job of a multirun starts in step)
     return TrainResult(outcome.status, summary, "stopped by signal" if outcome.status == "interrupted" else None)
+
+
+def _write_report(run: RunDir) -> None:
+    """report.png beside the run's files; a failure to draw it costs a warning, not the run."""
+    try:
+        path = write_report([run.path], run.path / "report.png")
+    except Exception as e:  # noqa: BLE001 - the run's results are written already
+        log.warning(
+            "could not draw the run's report (%s: %s); python -m dflash.report RUN_DIR retries", type(e).__name__, e
+        )
+        return
+    log.info("report: %s (python -m dflash.report compares runs)", path)
 
 
 def build_job(cfg: DictConfig, run: RunDir, world: World | None = None) -> Job:

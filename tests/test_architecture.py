@@ -9,7 +9,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "dflash"
-ENTRY_POINTS = {"dflash.compare", "dflash.evaluate", "dflash.export", "dflash.bench"}
+ENTRY_POINTS = {"dflash.compare", "dflash.evaluate", "dflash.export", "dflash.bench", "dflash.report"}
 
 # layer of each module prefix (lower number = lower floor); a module may import its own floor or below
 LAYERS = {
@@ -18,6 +18,7 @@ LAYERS = {
     "dflash.secrets": 0,
     "dflash.rundir": 0,
     "dflash.distributed": 0,
+    "dflash.terminal": 0,
     "dflash.model": 1,
     "dflash.data": 2,
     "dflash.train": 3,

@@ -20,20 +20,14 @@ log = logging.getLogger(__name__)
 def regenerate_documents(model, tokenizer, prompts: list[list[int]], regen_cfg, seed: int) -> list[Document]:
     """The target's own continuations: prompt tokens unsupervised, generated tokens supervised.
     All prompts have the same length, so batches need no padding."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    from dflash.terminal import display
 
     docs: list[Document] = []
     device = next(model.parameters()).device
     torch.manual_seed(seed)
     bs = regen_cfg.batch_size
     sample = regen_cfg.temperature > 0
-    with Progress(
-        TextColumn("regenerating data with the target"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total} prompts"),
-        TimeRemainingColumn(),
-    ) as bar:
-        task = bar.add_task("regen", total=len(prompts))
+    with display().phase("regenerate", len(prompts)) as phase:
         for i in range(0, len(prompts), bs):
             x = torch.tensor(prompts[i : i + bs], device=device)
             out = model.generate(
@@ -52,8 +46,7 @@ def regenerate_documents(model, tokenizer, prompts: list[list[int]], regen_cfg, 
                 if tokenizer.eos_token_id in gen:  # keep the EOS itself: the drafter should learn where text ends
                     gen = gen[: gen.index(tokenizer.eos_token_id) + 1]
                 docs.append(Document(row[: x.shape[1]] + gen, [False] * x.shape[1] + [True] * len(gen)))
-            bar.update(task, advance=len(x))
-            log.info("regenerated %d/%d prompts", min(i + bs, len(prompts)), len(prompts))
+            phase.advance(len(x), info="prompts continued by the target")
     return docs
 
 

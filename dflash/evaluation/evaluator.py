@@ -29,6 +29,7 @@ from dflash.evaluation.decoding import (
 from dflash.model.build import init_drafter
 from dflash.model.drafter import DFlashDraftModel
 from dflash.rundir import RunDir
+from dflash.terminal import display
 from dflash.train.parallelize import full_state_dict, plain_copy
 
 log = logging.getLogger(__name__)
@@ -74,13 +75,23 @@ def _generator(device: torch.device, temperature: float, seed: int) -> torch.Gen
 
 
 def _run_all(
-    fn, prompts: Sequence[Sequence[int]], device: torch.device, temperature: float, seed: int, **kwargs
+    fn,
+    prompts: Sequence[Sequence[int]],
+    device: torch.device,
+    temperature: float,
+    seed: int,
+    phase=None,
+    label: str = "",
+    **kwargs,
 ) -> list[GenerationResult]:
     # the same per-prompt seed for every method: at T > 0 they sample from identically seeded generators
-    return [
-        fn(prompt_ids=p, generator=_generator(device, temperature, seed + i), temperature=temperature, **kwargs)
-        for i, p in enumerate(prompts)
-    ]
+    results = []
+    for i, p in enumerate(prompts):
+        generator = _generator(device, temperature, seed + i)
+        results.append(fn(prompt_ids=p, generator=generator, temperature=temperature, **kwargs))
+        if phase is not None:
+            phase.advance(info=f"{label} {_tok_s(results):.0f} tok/s")
+    return results
 
 
 def evaluate(
@@ -127,7 +138,8 @@ def evaluate(
     try:
         for d in drafters:
             d.eval()
-        with torch.no_grad():
+        methods = 2 + bool(baselines) + (untrained_drafter is not None)
+        with torch.no_grad(), display().phase("eval", methods * len(prompts)) as phase:
             if warmup:
                 short = dict(max_new_tokens=min(max_new_tokens, 2 * block_size), eos_id=None)
                 speculative_generate(model, None, prompts[0], block_size=1, **short)
@@ -138,6 +150,8 @@ def evaluate(
                 device,
                 temperature,
                 seed,
+                phase=phase,
+                label="target only",
                 target_model=model,
                 drafter=None,
                 block_size=1,
@@ -149,6 +163,8 @@ def evaluate(
                 device,
                 temperature,
                 seed,
+                phase=phase,
+                label="dflash",
                 target_model=model,
                 drafter=drafter,
                 block_size=block_size,
@@ -161,6 +177,8 @@ def evaluate(
                     device,
                     temperature,
                     seed,
+                    phase=phase,
+                    label="prompt lookup",
                     target_model=model,
                     block_size=block_size,
                     ngram=ngram,
@@ -176,6 +194,8 @@ def evaluate(
                     device,
                     temperature,
                     seed,
+                    phase=phase,
+                    label="untrained",
                     target_model=model,
                     drafter=untrained_drafter,
                     block_size=block_size,
@@ -251,7 +271,8 @@ def _details(prompts, dflash, target_only, lookup, untrained, tokenizer, setting
         if untrained is not None:
             row["untrained_accept_lengths"] = untrained[i].accept_lengths
         if tokenizer is not None:
-            row["prompt_chars"] = len(tokenizer.decode(list(p)))
+            row["prompt_text"] = tokenizer.decode(list(p))
+            row["prompt_chars"] = len(row["prompt_text"])
             row["output_text"] = tokenizer.decode(d.tokens)
         per_prompt.append(row)
     return {**settings, "prompts": per_prompt}
@@ -289,6 +310,7 @@ class Evaluator:
         # the drafter before training: the baseline that shows what training bought
         self.untrained = copy.deepcopy(drafter).eval() if main and self.cfg.baselines and self.prompts else None
         self.on_result = lambda metrics: None
+        self.on_final = lambda step, metrics, details: None  # the run points it at callbacks.on_final_eval
 
     def should_eval(self, step: int, done: bool) -> bool:
         """Periodic evals at every `eval.every_steps`; the last step gets the final eval instead. Decided from
@@ -338,6 +360,7 @@ class Evaluator:
         )
         self.on_result({"step": step, **metrics})
         if final:
+            self.on_final(step, metrics, details or {})
             self.run.write_eval(
                 {**metrics, "details": details},
                 step=step,

@@ -103,22 +103,14 @@ def heldout_loss(model, windows: torch.Tensor, batch_size: int = 16, max_windows
 
 def pretrain(model, train_ids: torch.Tensor, b) -> list[dict]:
     """Causal-LM pretraining on random windows; cosine lr; returns a loss log."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    from dflash.terminal import display
 
     g = torch.Generator().manual_seed(b.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=b.pretrain_lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, b.pretrain_steps // 20)
     history = []
     model.train()
-    with Progress(
-        TextColumn("building tiny target"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TextColumn("loss {task.fields[loss]:.3f}"),
-        TimeRemainingColumn(),
-        transient=False,
-    ) as bar:
-        task = bar.add_task("pretrain", total=b.pretrain_steps, loss=float("nan"))
+    with display().phase("build target", b.pretrain_steps) as phase:
         for step in range(b.pretrain_steps):
             lr_scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / b.pretrain_steps))
             for group in opt.param_groups:
@@ -130,10 +122,9 @@ def pretrain(model, train_ids: torch.Tensor, b) -> list[dict]:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            bar.update(task, advance=1, loss=loss.item())
+            phase.advance(info=f"pretraining loss {loss.item():.3f}")
             if step % 50 == 0 or step == b.pretrain_steps - 1:
                 history.append({"step": step, "loss": loss.item()})
-                log.info("tiny target pretrain step %d/%d loss %.3f", step, b.pretrain_steps, loss.item())
     model.eval()
     return history
 

@@ -63,6 +63,10 @@ class Callback:
     def on_checkpoint(self, step: int, path: str) -> None:
         pass
 
+    def on_final_eval(self, step: int, metrics: dict, details: dict) -> None:
+        """The final eval in full: its flat metrics and eval.json's `details` (settings, per-prompt texts and
+        acceptance lengths), for sinks that draw charts and tables of it."""
+
     def on_run_end(self, status: str, summary: dict) -> None:
         pass
 
@@ -102,6 +106,10 @@ class CallbackList(Callback):
     def on_checkpoint(self, step: int, path: str) -> None:
         for cb in self.callbacks:
             cb.on_checkpoint(step, path)
+
+    def on_final_eval(self, step: int, metrics: dict, details: dict) -> None:
+        for cb in self.callbacks:
+            cb.on_final_eval(step, metrics, details)
 
     def on_run_end(self, status: str, summary: dict) -> None:
         if status not in END_STATUSES:

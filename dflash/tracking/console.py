@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
 from dflash.jsonio import to_python
+from dflash.terminal import Display
+from dflash.terminal import display as default_display
 from dflash.tracking.base import Callback, RunInfo
 
 log = logging.getLogger(__name__)
@@ -22,14 +23,16 @@ def _fmt_eta(seconds: float | None) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def _stats_text(m: Mapping[str, Any]) -> str:
-    """The short status shown after the bar: loss, avg streak, throughput, queue depths (when present)."""
+def _stats_text(m: Mapping[str, Any], evaluating: bool = False) -> str:
+    """The short status shown after the bar: loss, avg streak, throughput (or that an eval runs), queues."""
     parts = []
     if (v := m.get("train/loss")) is not None:
         parts.append(f"loss {float(v):.4f}")
     if (v := m.get("train/avg_streak")) is not None:
         parts.append(f"streak {float(v):.2f}")
-    if (v := m.get("perf/ktok_s")) is not None:
+    if evaluating:
+        parts.append("evaluating")
+    elif (v := m.get("perf/ktok_s")) is not None:
         parts.append(f"{float(v):.1f} ktok/s")
     tq, hq = m.get("perf/target_queue_depth"), m.get("perf/hs_queue_depth")
     if tq is not None or hq is not None:
@@ -40,10 +43,11 @@ def _stats_text(m: Mapping[str, Any]) -> str:
 
 
 class ConsoleCallback(Callback):
-    """Progress on stderr: a rich bar on a terminal, plain `logging` lines otherwise (CI logs).
+    """Training progress: a row of the terminal's live display on a TTY, plain `logging` lines otherwise.
 
     Either is redrawn at most once per `log_every_s` (plus once at the end), so a fast monitor tick costs a
-    dict update, not a terminal write. `stream`, `is_tty` and `clock` exist for tests.
+    dict update, not a terminal write. While an eval runs the row says so instead of showing a throughput
+    that is zero only because training waits. `stream`, `is_tty` and `clock` exist for tests.
     """
 
     def __init__(
@@ -54,15 +58,18 @@ class ConsoleCallback(Callback):
         stream: TextIO | None = None,
         is_tty: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
+        display: Display | None = None,
     ) -> None:
         if log_every_s <= 0:
             raise ValueError(f"logging.log_every_s={log_every_s!r} is invalid: must be > 0")
         self.max_steps = max_steps
         self.log_every_s = log_every_s
-        self._stream = stream if stream is not None else sys.stderr
-        self._is_tty = self._stream.isatty() if is_tty is None else is_tty
+        if display is None:
+            display = Display(stream, is_tty) if stream is not None or is_tty is not None else default_display()
+        self.display = display
+        self._is_tty = display.is_tty
         self._clock = clock
-        self._progress = None  # rich.progress.Progress while running on a terminal
+        self._progress = None  # the display's Progress while running on a terminal
         self._task = None
         self._last_refresh: float | None = None
         self._start_step = 0
@@ -75,28 +82,9 @@ class ConsoleCallback(Callback):
         self._start_step = info.start_step
         self._t0 = self._clock()
         if self._is_tty:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-            )
-
-            console = Console(file=self._stream, force_terminal=True)
-            self._progress = Progress(
-                TextColumn("[bold]train"),
-                BarColumn(bar_width=20),
-                MofNCompleteColumn(),
-                TextColumn("eta"),
-                TimeRemainingColumn(),
-                TextColumn("{task.fields[stats]}"),
-                console=console,
-                auto_refresh=False,  # no redraw thread: we refresh on our own schedule
-            )
-            self._task = self._progress.add_task("train", total=self.max_steps, completed=info.start_step, stats="")
-            self._progress.start()
+            self._progress = self.display.progress()
+            self._task = self._progress.add_task("train", total=self.max_steps, completed=info.start_step, info="")
+            self.display.refresh()
 
     def on_metrics(self, metrics: dict) -> None:
         self._latest = {k: to_python(v) for k, v in metrics.items()}
@@ -112,7 +100,7 @@ class ConsoleCallback(Callback):
         )
         line = f"eval at step {results.get('step', '?')}: {evals or 'done'}"
         if self._progress is not None:
-            self._progress.console.print(line, highlight=False, markup=False)
+            self.display.console.print(line, highlight=False, markup=False)
         else:
             log.info(line)
 
@@ -120,7 +108,8 @@ class ConsoleCallback(Callback):
         if self._latest:
             self._refresh(self._clock())
         if self._progress is not None:
-            self._progress.stop()
+            self._progress.remove_task(self._task)
+            self.display.stop()
             self._progress = None
         log.info("run %s at step %s/%s", status, self._latest.get("step", self._start_step), self.max_steps)
 
@@ -134,10 +123,10 @@ class ConsoleCallback(Callback):
         self._last_refresh = now
         self.refreshes += 1
         step = int(self._latest.get("step", self._start_step))
-        stats = _stats_text(self._latest)
+        stats = _stats_text(self._latest, evaluating=self.display.active("eval"))
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, stats=stats)
-            self._progress.refresh()
+            self._progress.update(self._task, completed=step, info=stats)
+            self.display.refresh()
         else:
             pct = 100.0 * step / self.max_steps if self.max_steps else 0.0
             log.info(

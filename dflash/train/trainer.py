@@ -10,6 +10,7 @@ uninterrupted one would have drawn.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
@@ -28,6 +29,9 @@ from dflash.train.block_metrics import BlockMetricsAccumulator
 from dflash.train.schedules import add_feature_noise, lr_at, noise_std_at
 
 log = logging.getLogger(__name__)
+
+# the per-step values summary_metrics averages, in the order `recent` stores them (block counts follow)
+_SUMMED = ("train/loss", "train/loss_ce", "train/loss_kl", "train/grad_norm")
 
 # per-rank monitor values that rank 0 shows as `<key>_min` / `<key>_max` under data parallelism
 PERF_SPREAD_KEYS = ("perf/target_queue_depth", "perf/hs_queue_depth", "perf/target_busy", "perf/drafter_busy")
@@ -165,6 +169,8 @@ class DrafterTrainer:
         self.stop_requested: Callable[[], bool] = lambda: False
         self.stopped_on_request = False
         self.local_perf: dict[str, float] = {}
+        # the last steps' values, for summary metrics that do not depend on timing (checkpointed with counters)
+        self.recent: collections.deque = collections.deque(maxlen=cfg.logging.summary_window_steps)
         self.perf_spread: dict[str, float] = {}
 
     # --- metrics -------------------------------------------------------------------------------------
@@ -188,6 +194,21 @@ class DrafterTrainer:
             out["train/lr"] = self.lr_for(last)
             out["train/noise_std"] = self.noise_for(last)
             out["train/skipped_steps"] = self.skipped_steps
+        return out
+
+    def summary_metrics(self) -> dict[str, float]:
+        """train/* as the mean over the last `logging.summary_window_steps` finite steps (block metrics pooled
+        over them), and the window used: what summary.json reports, independent of monitor timing."""
+        with self._lock:
+            rows = list(self.recent)
+        if not rows:
+            return {}
+        n = len(rows)
+        out = {k: sum(r[i] for r in rows) / n for i, k in enumerate(_SUMMED)}
+        acc = BlockMetricsAccumulator()
+        acc.add_counts(torch.tensor([sum(col) for col in list(zip(*rows))[len(_SUMMED) :]], dtype=torch.float64))
+        out.update(acc.compute())
+        out["train/summary_window_steps"] = n
         return out
 
     def lr_for(self, step: int) -> float:
@@ -287,6 +308,9 @@ class DrafterTrainer:
                 self._sums["train/grad_norm"] += grad_norm
                 self._acc.add_counts(stats["counts"])
                 self._n += 1
+                self.recent.append(
+                    [stats["loss"], stats["loss_ce"], stats["loss_kl"], grad_norm, *stats["counts"].tolist()]
+                )
         if self.bad_in_row >= cfg.train.max_bad_steps:
             raise TrainingDiverged(
                 f"{self.bad_in_row} non-finite steps in a row (train.max_bad_steps={cfg.train.max_bad_steps}); "
@@ -342,6 +366,7 @@ class DrafterTrainer:
             "skipped_steps": self.skipped_steps,
             "bad_in_row": self.bad_in_row,
             "next_data": list(self.next_data),
+            "recent": [list(map(float, r)) for r in self.recent],
         }
 
     def load_counters(self, state: dict) -> None:
@@ -350,6 +375,8 @@ class DrafterTrainer:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.bad_in_row = int(state.get("bad_in_row", 0))
         self.next_data = tuple(state["next_data"])
+        self.recent.clear()
+        self.recent.extend(state.get("recent", []))
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), **self.counters()}

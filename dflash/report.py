@@ -1,0 +1,6 @@
+"""`python -m dflash.report RUN_DIR [RUN_DIR ...]`: a picture of runs (code: `dflash.tools.report`)."""
+
+from dflash.tools.report import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())
