@@ -232,3 +232,39 @@ def test_resume_path_with_tilde_is_expanded_before_hydra(tmp_path, monkeypatch):
         f"hydra.run.dir={tmp_path / 'run'}",
         "hydra.output_subdir=.hydra/resume",
     ]
+
+
+def _corrupt(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "flip":  # 64 bytes flipped in the middle: same size, other content
+        mid = len(data) // 2
+        path.write_bytes(data[:mid] + bytes(b ^ 0xFF for b in data[mid : mid + 64]) + data[mid + 64 :])
+    else:  # cut to half
+        path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_resume_skips_a_corrupt_newest_checkpoint(tmp_path, cache_dir, tiny_target, how, caplog):
+    """The newest checkpoint's weights flipped or cut: resume says so (path and file) and falls back to the
+    previous complete checkpoint; with every checkpoint corrupt it stops with a clear message."""
+    run_dir = tmp_path / "run"
+    proc = launch([*COMMON, f"hydra.run.dir={run_dir}", "+debug=faults", "debug.crash_at_step=9"], cache_dir)
+    assert proc.returncode == -signal.SIGKILL
+    ckpts = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    assert [p.name for p in ckpts] == ["step_4", "step_8"]
+    meta = json.loads((ckpts[-1] / "meta.json").read_text())
+    assert set(meta["files"]) == {"drafter.safetensors", "state.pt"} and len(meta["files"]["state.pt"]["sha256"]) == 64
+    _corrupt(ckpts[-1] / "drafter.safetensors", how)
+
+    proc = launch([f"resume={run_dir}", "debug.crash_at_step=null"], cache_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "step_8: drafter.safetensors" in out and "falling back" in out
+    assert "from step_4 (step 4)" in out
+
+    for ckpt in (run_dir / "checkpoints").glob("step_*"):  # now every checkpoint is corrupt
+        _corrupt(ckpt / "state.pt", how)
+    proc = launch([f"resume={run_dir}", "train.max_steps=20"], cache_dir)
+    assert proc.returncode != 0
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "failed" and "no checkpoint of this run verifies" in status["error"]

@@ -8,6 +8,7 @@ so a directory truncated mid-write is never mistaken for a complete one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -72,7 +73,9 @@ def save_checkpoint(run_dir: Path, drafter, trainer_state: dict, extra: dict, ke
 
 
 def commit(tmp: Path, final: Path, meta: dict, keep_last: int) -> None:
-    """meta.json last, every file on disk, then the rename that makes `final` a complete checkpoint."""
+    """Content hashes of every file into meta.json, meta.json last, every file on disk, then the rename that
+    makes `final` a complete checkpoint."""
+    meta = {**meta, "files": {f.name: file_digest(f) for f in sorted(tmp.iterdir()) if f.is_file()}}
     (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
     for f in tmp.iterdir():  # on disk before the rename makes the checkpoint look complete
         _fsync(f)
@@ -83,6 +86,58 @@ def commit(tmp: Path, final: Path, meta: dict, keep_last: int) -> None:
     _fsync(final.parent)  # the rename itself survives a power loss
     _prune(final.parent, keep_last)
     log.info("checkpoint step %d -> %s", meta["step"], final)
+
+
+def file_digest(path: Path) -> dict:
+    """{"bytes", "sha256"} of a file, read in 1 MiB pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(1 << 20), b""):
+            h.update(piece)
+    return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+class CheckpointCorrupt(ValueError):
+    """A checkpoint whose files are missing, cut short or changed since they were written."""
+
+
+def verify_checkpoint(ckpt: Path) -> None:
+    """Raise CheckpointCorrupt naming the first file that is missing, of another size, or of another content
+    than meta.json recorded. Checkpoints written before hashes were recorded pass unchecked."""
+    ckpt = Path(ckpt)
+    meta = read_json(ckpt / META, default=None)
+    if not isinstance(meta, dict) or not meta.get("complete"):
+        raise CheckpointCorrupt(f"checkpoint {ckpt}: meta.json is missing, unreadable or not marked complete")
+    for name, want in (meta.get("files") or {}).items():
+        path = ckpt / name
+        if not path.is_file():
+            raise CheckpointCorrupt(f"checkpoint {ckpt}: {name} is missing")
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointCorrupt(f"checkpoint {ckpt}: {name} has {size} bytes, {want['bytes']} were written")
+        if file_digest(path)["sha256"] != want["sha256"]:
+            raise CheckpointCorrupt(f"checkpoint {ckpt}: {name} does not match its sha256 (changed on disk)")
+
+
+def latest_verified_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint whose files verify. A newer one that fails is reported loudly and
+    skipped; when checkpoints exist but none verifies, CheckpointCorrupt says what failed in each."""
+    root = RunDir(run_dir).checkpoints
+    ckpts = _complete_checkpoints(root) if root.is_dir() else []
+    failures = []
+    for ckpt in reversed(ckpts):
+        try:
+            verify_checkpoint(ckpt)
+        except CheckpointCorrupt as e:
+            log.error("%s; falling back to an older checkpoint", e)
+            failures.append(str(e))
+            continue
+        if failures:
+            log.warning("resuming from %s: the %d newer checkpoint(s) failed verification", ckpt.name, len(failures))
+        return ckpt
+    if failures:
+        raise CheckpointCorrupt("no checkpoint of this run verifies: " + "; ".join(failures))
+    return None
 
 
 def _fsync(path: Path) -> None:
@@ -141,8 +196,9 @@ def read_meta(ckpt: Path) -> dict:
 
 
 def load_checkpoint(ckpt: Path, drafter, trainer=None) -> dict:
-    """Load weights (and trainer state) into drafter / trainer; refuses a checkpoint of another shape or mask id.
-    Returns meta.json."""
+    """Load weights (and trainer state) into drafter / trainer; refuses a checkpoint that does not verify or is
+    of another shape or mask id. Returns meta.json."""
+    verify_checkpoint(ckpt)
     meta = read_meta(ckpt)
     check_signature(ckpt, meta, drafter)
     weights = load_file(str(Path(ckpt) / WEIGHTS), device=str(next(drafter.parameters()).device))

@@ -35,6 +35,7 @@ from dflash.train.checkpoint import (
     commit,
     model_signature,
     read_meta,
+    verify_checkpoint,
 )
 from dflash.train.parallelize import unwrap
 
@@ -78,6 +79,7 @@ def save_sharded(final: Path, model, trainer, world: World, extra: dict, keep_la
 
 def load_sharded(ckpt: Path, model, trainer, world: World) -> dict:
     """Drafter, optimizer, counters and (same rank count) RNG from a sharded checkpoint; returns meta.json."""
+    verify_checkpoint(ckpt)
     meta = read_meta(ckpt)
     check_signature(ckpt, meta, unwrap(model))
     model_state, optim_state = get_state_dict(model, trainer.optimizer)
@@ -94,6 +96,7 @@ def load_sharded(ckpt: Path, model, trainer, world: World) -> dict:
 
 def load_sharded_weights(ckpt: Path, drafter) -> dict:
     """Only the drafter's weights (export, evaluation), into a plain module in one process."""
+    verify_checkpoint(ckpt)
     meta = read_meta(ckpt)
     check_signature(ckpt, meta, drafter)
     state = {"model": drafter.state_dict()}
@@ -107,6 +110,7 @@ def load_full_into(ckpt: Path, model, trainer) -> dict:
     model: every rank reads the whole files and keeps its part."""
     from safetensors.torch import load_file
 
+    verify_checkpoint(ckpt)
     meta = read_meta(ckpt)
     drafter = unwrap(model)
     check_signature(ckpt, meta, drafter)

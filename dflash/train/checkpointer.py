@@ -8,7 +8,16 @@ from pathlib import Path
 
 from dflash.distributed import World
 from dflash.rundir import RunDir
-from dflash.train.checkpoint import META, is_sharded, latest_checkpoint, load_checkpoint, read_meta, save_checkpoint
+from dflash.train.checkpoint import (
+    META,
+    CheckpointCorrupt,
+    is_sharded,
+    latest_checkpoint,
+    latest_verified_checkpoint,
+    load_checkpoint,
+    read_meta,
+    save_checkpoint,
+)
 from dflash.train.checkpoint_dcp import load_full_into, load_sharded, load_sharded_weights, save_sharded
 
 log = logging.getLogger(__name__)
@@ -67,7 +76,17 @@ class CheckpointManager:
 
     def resume(self, trainer) -> int | None:
         """Load the newest complete checkpoint into the drafter and trainer; returns its step (None: none)."""
-        ckpt = self.world.broadcast_object(latest_checkpoint(self.run_dir) if self.world.is_main else None)
+        # the newest checkpoint that verifies (a corrupt newer one is reported and skipped); decided by rank 0
+        found = None
+        if self.world.is_main:
+            try:
+                found = latest_verified_checkpoint(self.run_dir)
+            except CheckpointCorrupt as e:
+                found = e
+        found = self.world.broadcast_object(found)
+        if isinstance(found, Exception):
+            raise found
+        ckpt = found
         if ckpt is None:
             log.warning("resume=%s: no complete checkpoint, starting from step 0", self.run_dir)
             return None
@@ -95,7 +114,7 @@ def load_drafter_from_source(source: Path):
         from omegaconf import OmegaConf
 
         target = OmegaConf.load(run.config_file).model.target
-        ckpt = latest_checkpoint(source)
+        ckpt = latest_verified_checkpoint(source)
         if ckpt is None:
             if (run.drafter / "config.json").exists():
                 return DFlashDraftModel.from_pretrained(run.drafter), target
