@@ -244,6 +244,8 @@ class Config:
     debug: DebugConfig = field(default_factory=DebugConfig)
     experiment: str | None = None
     resume: str | None = None  # a run directory to continue
+    # resume although the training data changed since the checkpoint (recorded in run.json); per command
+    resume_accept_data_change: bool = False
 
 
 def register_configs() -> None:

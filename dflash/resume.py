@@ -88,4 +88,8 @@ def resume_config(cfg: DictConfig, job_dir: Path, overrides: list[str]) -> DictC
         # the value as this command's composition parsed it (types, null, lists)
         OmegaConf.update(merged, key, OmegaConf.select(cfg, key), merge=False)
     merged.resume = str(run_dir)
+    # accepting changed data is a decision of one resume, not a setting the run keeps
+    merged.resume_accept_data_change = any(o.startswith("resume_accept_data_change=") for o in changes) and bool(
+        cfg.resume_accept_data_change
+    )
     return merged

@@ -11,7 +11,6 @@ import contextlib
 import gc
 import logging
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -24,8 +23,10 @@ from omegaconf import DictConfig, OmegaConf
 from dflash.config import ConfigError, resolve_target_layer_ids, validate
 from dflash.data.batches import PackedBatches, build_batches, rank_batches
 from dflash.data.corpus import jsonl_files, load_tokenizer
+from dflash.data.fingerprint import data_fingerprint, differences
 from dflash.distributed import World, init_world, launch_rank
 from dflash.evaluation.evaluator import Evaluator
+from dflash.job_info import JobInfo, hydra_job_info
 from dflash.model.build import build_drafter_config, init_drafter, resolve_mask_token_id
 from dflash.model.export import export_drafter
 from dflash.model.target import DTYPES, TargetModel, load_target_config, resolve_device
@@ -35,7 +36,7 @@ from dflash.secrets import redact
 from dflash.terminal import display, install_logging, uninstall_logging
 from dflash.tools.report import write_report
 from dflash.tools.tiny import ensure_target
-from dflash.tracking import CallbackList, RunInfo, build_callbacks, default_job_name
+from dflash.tracking import CallbackList, RunInfo, build_callbacks
 from dflash.train.checkpointer import CheckpointManager
 from dflash.train.parallelize import full_state_dict, parallelize_drafter, plain_copy
 from dflash.train.pipeline import Pipeline
@@ -46,17 +47,6 @@ log = logging.getLogger(__name__)
 
 class RunInterrupted(Exception):
     """SIGINT / SIGTERM stopped the run (after a checkpoint)."""
-
-
-@dataclass
-class JobInfo:
-    """What Hydra knows about this job: where it runs and how it was asked for."""
-
-    run_dir: Path
-    job_name: str = ""
-    sweep_dir: str | None = None
-    overrides: list[str] = field(default_factory=list)
-    choices: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -168,6 +158,13 @@ def train(
     torch.manual_seed(cfg.train.seed)
     run = RunDir(run_dir)
     job = build_job(cfg, run, world)
+    fingerprint = data_fingerprint(cfg.data, cfg.model.target)
+    job.checkpoints.data_fingerprint = fingerprint
+    job.checkpoints.check_before_resume = lambda ckpt, meta: _check_data_unchanged(
+        cfg, run, world, ckpt, meta, fingerprint
+    )
+    if world.is_main:
+        run.add_run_info("data_fingerprint", fingerprint, resumed=bool(cfg.resume))
     if cfg.resume and job.checkpoints.resume(job.trainer) is not None and world.is_main:
         run.truncate_metrics(job.trainer.step)  # the resumed run appends without duplicate steps
 
@@ -210,6 +207,26 @@ def train(
                 _write_report(run)
         world.barrier()  # every rank ends the job together (the next job of a multirun starts in step)
     return TrainResult(outcome.status, summary, "stopped by signal" if outcome.status == "interrupted" else None)
+
+
+def _check_data_unchanged(cfg: DictConfig, run: RunDir, world: World, ckpt: Path, meta: dict, current: dict) -> None:
+    """Refuse to resume into data that changed since the checkpoint (its data position would point into other
+    batches), unless this command accepts it; an accepted change is recorded in run.json."""
+    recorded = meta.get("data_fingerprint")
+    if not recorded:
+        return  # a checkpoint from before fingerprints were recorded
+    changes = differences(recorded, current)
+    if not changes:
+        return
+    if not cfg.resume_accept_data_change:
+        raise ConfigError(
+            f"resume: the training data changed since checkpoint {ckpt.name}: {'; '.join(changes)}. Its data "
+            "position would continue in other data; start a new run, or resume with "
+            "resume_accept_data_change=true to continue anyway (recorded in run.json)"
+        )
+    log.warning("resume: continuing although the training data changed: %s", "; ".join(changes))
+    if world.is_main:
+        run.add_run_info("accepted_data_change", changes, resumed=True)
 
 
 def _write_report(run: RunDir) -> None:
@@ -403,39 +420,3 @@ def _install_signal_handlers(stop: threading.Event, before_forced_exit=None) -> 
     for sig in (signal.SIGTERM, signal.SIGINT):
         previous[sig] = signal.signal(sig, handler)
     return previous
-
-
-def hydra_job_info() -> JobInfo:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    hc = HydraConfig.get()
-    run_dir = Path(hc.runtime.output_dir)
-    overrides = list(hc.overrides.task)
-    is_multirun = hc.mode == RunMode.MULTIRUN
-    own = [o for o in overrides if not o.startswith(("hydra.", "resume="))]
-    if is_multirun:  # name a sweep's job by what varies: its values of the swept keys
-        swept = _swept_keys()
-        own = [o for o in own if o.split("=", 1)[0].lstrip("+~") in swept] or own
-    job_name = default_job_name(redact(own), run_dir)  # the W&B run name: no secret from the command line
-    choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}
-    return JobInfo(run_dir, job_name, hc.sweep.dir if is_multirun else None, overrides, choices)
-
-
-def _swept_keys() -> set[str]:
-    """Keys the command line sweeps over (`key=a,b`, `range(...)`, `choice(...)`), read from sys.argv, plus
-    those of `hydra.sweeper.params` in the config."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    args = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]
-    keys: set[str] = set()
-    try:
-        for o in OverridesParser.create().parse_overrides(args):
-            if o.is_sweep_override():
-                keys.add(o.key_or_group)
-    except Exception:  # noqa: BLE001 - naming is cosmetic; never fail a job over it
-        pass
-    params = HydraConfig.get().sweeper.get("params") or {}
-    keys.update(str(k) for k in params)
-    return keys

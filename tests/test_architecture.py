@@ -25,6 +25,7 @@ LAYERS = {
     "dflash.tracking": 3,
     "dflash.evaluation": 4,
     "dflash.resume": 5,
+    "dflash.job_info": 5,
     "dflash.run": 5,
     "dflash.tools": 5,  # the top floor, with run.py (which builds the embedded tiny target on first use)
 }

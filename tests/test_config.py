@@ -167,9 +167,11 @@ def test_resume_upgrades_a_config_saved_by_an_older_version(tmp_path):
     saved.pop("parallel")
     saved["train"]["crash_at_step"] = 9
     saved["pipeline"]["drafter_workers"] = 1
+    saved["resume_accept_data_change"] = True  # accepted by an earlier resume: not carried into the next
     OmegaConf.save(OmegaConf.create(saved), run_dir / "config_resolved.yaml")
     cfg = _compose([f"resume={run_dir}"])
     merged = resume_config(cfg, run_dir, [f"resume={run_dir}"])
     assert merged.debug.crash_at_step == 9 and "crash_at_step" not in merged.train
     assert "drafter_workers" not in merged.pipeline and merged.parallel.name == "single"
+    assert merged.resume_accept_data_change is False
     validate(merged)

@@ -268,3 +268,28 @@ def test_resume_skips_a_corrupt_newest_checkpoint(tmp_path, cache_dir, tiny_targ
     assert proc.returncode != 0
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "failed" and "no checkpoint of this run verifies" in status["error"]
+
+
+def test_resume_refuses_changed_training_data(tmp_path, cache_dir, tiny_target):
+    """data=jsonl rewritten between a crash and the resume: refused, naming the file; accepted on request and
+    recorded in run.json."""
+    data = tmp_path / "data.jsonl"
+    text = json.dumps({"text": "def f(x):\n    return x + 1\n" * 40})
+    data.write_text((text + "\n") * 24)
+    run_dir = tmp_path / "run"
+    common = [*COMMON, "data=jsonl", f"data.path={data}"]
+    proc = launch([*common, f"hydra.run.dir={run_dir}", "+debug=faults", "debug.crash_at_step=9"], cache_dir)
+    assert proc.returncode == -signal.SIGKILL
+    fingerprint = json.loads((run_dir / "run.json").read_text())["data_fingerprint"]
+    assert str(data.resolve()) in fingerprint["files"] and fingerprint["tokenizer"]
+
+    data.write_text((text.replace("x + 1", "x + 2") + "\n") * 24)  # same size, other content
+    proc = launch([f"resume={run_dir}", "debug.crash_at_step=null"], cache_dir)
+    assert proc.returncode != 0
+    error = json.loads((run_dir / "status.json").read_text())["error"]
+    assert "training data changed since checkpoint step_8" in error and str(data.resolve()) in error
+
+    launch([f"resume={run_dir}", "debug.crash_at_step=null", "resume_accept_data_change=true"], cache_dir, check=True)
+    run_info = json.loads((run_dir / "run.json").read_text())
+    assert any(str(data.resolve()) in " ".join(r.get("accepted_data_change", [])) for r in run_info["resumes"])
+    assert "resume_accept_data_change: true" in (run_dir / "config_resolved.yaml").read_text()  # this resume's

@@ -45,6 +45,8 @@ class CheckpointManager:
         self.on_saved: Callable[[int, str], None] = lambda step, path: None
         self.tracking_state: Callable[[], dict] = dict
         self.resumed_meta: dict = {}  # meta.json of the checkpoint a resume loaded
+        self.data_fingerprint: dict | None = None  # recorded in every checkpoint (dflash.data.fingerprint)
+        self.check_before_resume: Callable[[Path, dict], None] = lambda ckpt, meta: None
 
     def should_save(self, step: int) -> bool:
         return bool(self.cfg.enabled and self.cfg.every_steps and step % self.cfg.every_steps == 0)
@@ -56,7 +58,7 @@ class CheckpointManager:
     def save(self, trainer) -> Path:
         # a resumed job without W&B keeps the resumed id for the next resume that has W&B
         run_id = self.tracking_state().get("wandb_run_id") or self.resumed_meta.get("wandb_run_id")
-        extra = {"wandb_run_id": run_id, "target": self.target_path}
+        extra = {"wandb_run_id": run_id, "target": self.target_path, "data_fingerprint": self.data_fingerprint}
         if self.world.distributed:
             final = RunDir(self.run_dir).checkpoints / f"step_{trainer.step}"
             path = save_sharded(final, self.model, trainer, self.world, extra, self.cfg.keep_last)
@@ -90,6 +92,7 @@ class CheckpointManager:
         if ckpt is None:
             log.warning("resume=%s: no complete checkpoint, starting from step 0", self.run_dir)
             return None
+        self.check_before_resume(ckpt, read_meta(ckpt))
         if is_sharded(ckpt):
             self.resumed_meta = load_sharded(ckpt, self.model, trainer, self.world)
         elif self.world.distributed:
