@@ -90,3 +90,32 @@ def test_pack_joins_documents_with_one_eos():
     ids, mask = pack([Document([5, 6], [False, True]), Document([7, eos], [True, True]), Document([8], [False])], eos)
     assert ids.tolist() == [5, 6, eos, 7, eos, 8, eos]  # the second document's own EOS is not doubled
     assert mask.tolist() == [False, True, True, True, True, False, False]
+
+
+def test_bad_records_are_counted_or_fail_with_file_and_line(tmp_path, tiny_tokenizer):
+    """Empty assistant turns, records with nothing to supervise and bytes that are not UTF-8: skipped and
+    counted with data.on_bad_record=skip, the first one named by file:line with fail."""
+    import json
+
+    import pytest
+
+    from dflash.data.corpus import BadRecordError, read_jsonl
+
+    good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
+    empty_turn = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]})
+    empty_text = json.dumps({"text": ""})
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(
+        b"\n".join([good.encode(), empty_turn.encode(), empty_text.encode(), b'{"text": "caf\xe9"}', good.encode()])
+        + b"\n"
+    )
+    docs, skipped = read_jsonl(str(data), tiny_tokenizer, "skip")
+    assert len(docs) == 2 and skipped == 3
+    with pytest.raises(BadRecordError, match=rf"{data}:2: assistant message 1 is empty"):
+        read_jsonl(str(data), tiny_tokenizer, "fail")
+    data.write_bytes(b"\n".join([good.encode(), b'{"text": "caf\xe9"}']) + b"\n")
+    with pytest.raises(BadRecordError, match=rf"{data}:2: not UTF-8"):
+        read_jsonl(str(data), tiny_tokenizer, "fail")
+    data.write_text(good + "\n" + empty_text + "\n")
+    with pytest.raises(BadRecordError, match=rf"{data}:2: 'text' is empty"):
+        read_jsonl(str(data), tiny_tokenizer, "fail")

@@ -61,6 +61,8 @@ def _render_record(record: dict, tokenizer, where: str) -> Document:
         if not isinstance(record["text"], str):
             raise BadRecordError(f"{where}: 'text' must be a string")
         ids = tokenizer(record["text"], add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise BadRecordError(f"{where}: 'text' is empty: no token to supervise")
         return Document(ids, [True] * len(ids))
     if "messages" in record:
         msgs = record["messages"]
@@ -75,6 +77,9 @@ def _render_record(record: dict, tokenizer, where: str) -> Document:
             raise BadRecordError(f"{where}: 'messages' must be a non-empty list of {{role, content}} strings")
         if not any(m["role"] == "assistant" for m in msgs):
             raise BadRecordError(f"{where}: no assistant message to supervise")
+        empty = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and not m["content"].strip()]
+        if empty:
+            raise BadRecordError(f"{where}: assistant message {empty[0]} is empty (nothing to supervise there)")
         return _render_chat(msgs, tokenizer, where)
     raise BadRecordError(f"{where}: a record needs 'text' or 'messages' (keys: {sorted(record)})")
 
@@ -147,14 +152,18 @@ def read_jsonl(path: str, tokenizer, on_bad_record: str = "fail") -> tuple[list[
     docs, skipped = [], 0
     for f in jsonl_files(path):
         try:
-            lines = f.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as e:
+            lines = f.read_bytes().split(b"\n")
+        except OSError as e:
             raise FileNotFoundError(f"data.path: cannot read {f}: {e}") from e
-        for lineno, line in enumerate(lines, start=1):
-            if not line.strip():
+        for lineno, raw in enumerate(lines, start=1):
+            if not raw.strip():
                 continue
             where = f"{f}:{lineno}"
             try:
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise BadRecordError(f"{where}: not UTF-8 ({e.reason} at byte {e.start} of the line)") from None
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
