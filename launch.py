@@ -35,9 +35,15 @@ def _route_resume(argv: list[str]) -> list[str]:
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
+    from dflash import interrupts
+    from dflash.run import RunInterrupted
     from dflash.run import main as run_main
 
-    return run_main(cfg)
+    try:
+        return run_main(cfg)
+    except RunInterrupted as e:  # a clean stop: one line, no traceback; the exit code says which signal
+        print(f"interrupted: {e} (status.json says what was not done; resume=RUN_DIR continues)", file=sys.stderr)
+        raise SystemExit(128 + (interrupts.received or 15)) from None
 
 
 if __name__ == "__main__":

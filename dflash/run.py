@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from dflash import interrupts
 from dflash.config import ConfigError, resolve_target_layer_ids, validate
 from dflash.data.batches import PackedBatches, build_batches, rank_batches
 from dflash.data.corpus import jsonl_files, load_tokenizer
@@ -96,7 +97,8 @@ def main(cfg: DictConfig, info: JobInfo | None = None) -> float | None:
     if is_main:
         run.path.mkdir(parents=True, exist_ok=True)
         status.running()
-    stop = threading.Event()
+    stop = interrupts.stop_event()  # the long phases (target build, regeneration, evals) watch it too
+    stop.clear()
     previous = _install_signal_handlers(
         stop,
         lambda name: (
@@ -124,6 +126,10 @@ def main(cfg: DictConfig, info: JobInfo | None = None) -> float | None:
         return result.summary.get("eval/tau")
     except RunInterrupted:
         raise
+    except interrupts.Interrupted as e:  # before training started (target build, data regeneration)
+        if is_main:
+            status.finish("interrupted", error=f"{e}; not done: training, export, final eval")
+        raise RunInterrupted(str(e)) from None
     except KeyboardInterrupt:
         if is_main:
             status.finish("interrupted", error="KeyboardInterrupt")
@@ -188,12 +194,12 @@ def train(
     summary: dict = {}
     with _callbacks_end_with(callbacks, summary) as outcome:
         outcome.status = run_pipeline(cfg, job, stop, _ticker(job, callbacks, summary, t_start))
+        outcome.reason = "stopped by signal" if outcome.status == "interrupted" else None
         summary.update(job.trainer.summary_metrics())  # not the last monitor window: that depends on timing
         final = job.gather_drafter()  # a collective under fsdp; the whole drafter on rank 0
         if world.is_main:
             export_drafter(final, run.drafter, target=cfg.model.target)
-            if outcome.status == "completed":
-                summary.update(job.evaluator.final(job.trainer.step, final))
+            _final_eval(job, final, stop, summary, outcome)
             summary.update(
                 {
                     "step": job.trainer.step,
@@ -206,7 +212,22 @@ def train(
             if cfg.logging.report:
                 _write_report(run)
         world.barrier()  # every rank ends the job together (the next job of a multirun starts in step)
-    return TrainResult(outcome.status, summary, "stopped by signal" if outcome.status == "interrupted" else None)
+    return TrainResult(outcome.status, summary, outcome.reason)
+
+
+def _final_eval(job: Job, drafter, stop: threading.Event, summary: dict, outcome) -> None:
+    """The final eval of a completed run; a stop request before or during it leaves the run `interrupted`,
+    with the eval listed as not done (the drafter is exported: `python -m dflash.evaluate RUN_DIR` runs it)."""
+    if outcome.status != "completed":
+        return
+    try:
+        interrupts.check("the final eval")
+        summary.update(job.evaluator.final(job.trainer.step, drafter))
+    except interrupts.Interrupted:
+        outcome.status = "interrupted"
+        outcome.reason = (
+            "stopped by signal after training; not done: the final eval (python -m dflash.evaluate RUN_DIR runs it)"
+        )
 
 
 def _check_data_unchanged(cfg: DictConfig, run: RunDir, world: World, ckpt: Path, meta: dict, current: dict) -> None:
@@ -368,6 +389,7 @@ def _ticker(job: Job, callbacks: CallbackList, summary: dict, t_start: float):
 
 class _Outcome:
     status = "completed"
+    reason: str | None = None
 
 
 @contextlib.contextmanager
@@ -415,6 +437,7 @@ def _install_signal_handlers(stop: threading.Event, before_forced_exit=None) -> 
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
         log.warning("received %s: stopping after the current step", signal.Signals(signum).name)
+        interrupts.received = signum
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -95,6 +95,8 @@ class Phase:
         if display.is_tty:
             self._task = display.progress().add_task(name, total=total, info="")
             display.refresh()
+        else:
+            log.info("%s: started%s", name, f" ({total} to do)" if total else "")
 
     def advance(self, n: int = 1, info: str | None = None) -> None:
         self.update(self.completed + n, info)

@@ -19,6 +19,7 @@ LAYERS = {
     "dflash.rundir": 0,
     "dflash.distributed": 0,
     "dflash.terminal": 0,
+    "dflash.interrupts": 0,
     "dflash.model": 1,
     "dflash.data": 2,
     "dflash.train": 3,

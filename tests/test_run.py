@@ -311,3 +311,80 @@ def test_second_signal_records_the_status_before_the_forced_exit(monkeypatch):
     assert stop.is_set() and recorded == [] and raised == []  # first signal: a graceful stop
     handler(signal.SIGTERM, None)
     assert recorded == ["SIGTERM"] and raised == [signal.SIGTERM]
+
+
+def _start(args: list[str], cache_dir: Path) -> subprocess.Popen:
+    env = {**os.environ, "DFLASH_CACHE_DIR": str(cache_dir), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "launch.py", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_log(proc: subprocess.Popen, run_dir: Path, text: str, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        log = run_dir / "launch.log"
+        if log.exists() and text in log.read_text():
+            return
+        assert proc.poll() is None, f"the run ended before '{text}': {proc.communicate()[1][-3000:]}"
+        time.sleep(0.05)
+    raise AssertionError(f"'{text}' never appeared in launch.log")
+
+
+@pytest.mark.parametrize(
+    "phase,args,marker,not_done",
+    [
+        (
+            "final eval",
+            ["train.max_steps=4", "eval.num_prompts=8", "eval.max_new_tokens=2000"],
+            "eval at step 4: 8 prompts with baselines",
+            "the final eval",
+        ),
+        (
+            "periodic eval",
+            ["train.max_steps=10000", "eval.every_steps=3", "eval.max_new_tokens=2000"],
+            "eval at step 3: 2 prompts",
+            None,
+        ),
+        (
+            "data regeneration",
+            ["data.regenerate.num_prompts=3000", "data.regenerate.max_new_tokens=128"],
+            "regenerate: started",
+            "training, export, final eval",
+        ),
+    ],
+)
+def test_sigterm_in_any_phase_ends_the_run_in_seconds(tmp_path, cache_dir, tiny_target, phase, args, marker, not_done):
+    """SIGTERM during an eval (final or periodic) or the data regeneration: the phase is abandoned, the run ends
+    within seconds as `interrupted` (saying what was not done), with one line on stderr instead of a traceback
+    and exit code 128 + SIGTERM."""
+    run_dir = tmp_path / "run"
+    proc = _start(["experiment=smoke", f"hydra.run.dir={run_dir}", "checkpoint.every_steps=2", *args], cache_dir)
+    try:
+        _wait_for_log(proc, run_dir, marker)
+        time.sleep(0.3)  # inside the phase
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        took = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM and took < 15, (proc.returncode, took)
+    st = status(run_dir)
+    assert st["status"] == "interrupted", st
+    if not_done:
+        assert f"not done: {not_done}" in st["error"], st["error"]
+    assert "Traceback" not in err and "Error executing job" not in err
+    assert len([line for line in err.splitlines() if line.startswith("interrupted: ")]) == 1
+    if phase == "periodic eval":  # the last checkpoint is complete and the run resumes from it
+        assert "abandoned: a stop was requested" in (run_dir / "launch.log").read_text()
+        steps = sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
+        assert (
+            steps and json.loads((run_dir / "checkpoints" / f"step_{steps[-1]}" / "meta.json").read_text())["complete"]
+        )

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from dflash import interrupts
 from dflash.data.corpus import Document, read_text, stdlib_files
 from dflash.data.prompts import sample_prompts
 
@@ -29,6 +30,7 @@ def regenerate_documents(model, tokenizer, prompts: list[list[int]], regen_cfg, 
     sample = regen_cfg.temperature > 0
     with display().phase("regenerate", len(prompts)) as phase:
         for i in range(0, len(prompts), bs):
+            interrupts.check("data regeneration")
             x = torch.tensor(prompts[i : i + bs], device=device)
             out = model.generate(
                 x,

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash import interrupts
 from dflash.data.prompts import heldout_prompts, read_prompts_file
 from dflash.distributed import World
 from dflash.evaluation.decoding import (
@@ -87,6 +88,7 @@ def _run_all(
     # the same per-prompt seed for every method: at T > 0 they sample from identically seeded generators
     results = []
     for i, p in enumerate(prompts):
+        interrupts.check("eval")
         generator = _generator(device, temperature, seed + i)
         results.append(fn(prompt_ids=p, generator=generator, temperature=temperature, **kwargs))
         if phase is not None:
@@ -319,7 +321,10 @@ class Evaluator:
 
     def maybe_eval(self, trainer) -> None:
         if self.should_eval(trainer.step, trainer.done()):
-            self.run_eval(trainer.step)
+            try:
+                self.run_eval(trainer.step)
+            except interrupts.Interrupted:  # training stops after this step anyway; the eval is just dropped
+                log.warning("eval at step %d abandoned: a stop was requested", trainer.step)
 
     def _current_weights(self) -> DFlashDraftModel | None:
         """A consistent copy of the drafter's weights (training may go on in other threads); rank 0 only."""
@@ -334,6 +339,7 @@ class Evaluator:
         snapshot = drafter if drafter is not None else self._current_weights()
         if snapshot is None or not self.prompts:
             return {}
+        log.info("eval at step %d: %d prompts%s", step, len(self.prompts), " with baselines" if final else "")
         t0 = time.time()
         result = evaluate(
             self.target.model,

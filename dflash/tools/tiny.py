@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from dflash import interrupts
 from dflash.data.batches import pack
 from dflash.data.corpus import (
     DEFAULT_HOLDOUT,
@@ -112,6 +113,7 @@ def pretrain(model, train_ids: torch.Tensor, b) -> list[dict]:
     model.train()
     with display().phase("build target", b.pretrain_steps) as phase:
         for step in range(b.pretrain_steps):
+            interrupts.check("building the tiny target")
             lr_scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / b.pretrain_steps))
             for group in opt.param_groups:
                 group["lr"] = b.pretrain_lr * max(lr_scale, 0.05)
