@@ -115,6 +115,8 @@ class WandbConfig:
     job_type: str = "train"
     tags: list[str] = field(default_factory=list)
     stats_interval_s: float = 10.0
+    init_timeout_s: float = 60.0  # W&B's own start-up wait (it runs beside training, which does not wait)
+    finish_timeout_s: float = 60.0  # at the end, wait at most this long for W&B to finish uploading
 
 
 @dataclass

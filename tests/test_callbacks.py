@@ -254,7 +254,7 @@ def test_wandb_init_kwargs_defaults_and_env(tmp_path):
     kw = wandb_init_kwargs(cfg, _info(tmp_path, experiment="smoke"), tmp_path, environ={})
     assert kw["name"] == "loss.kl_temperature=2" and kw["group"] == "smoke"
     assert kw["project"] == "dflash-train" and kw["job_type"] == "train" and kw["reinit"] == "finish_previous"
-    assert kw["settings"] == {"x_stats_sampling_interval": 3.0} and kw["dir"] == str(tmp_path)
+    assert kw["settings"] == {"x_stats_sampling_interval": 3.0, "init_timeout": 60.0} and kw["dir"] == str(tmp_path)
     assert "entity" not in kw and "tags" not in kw and "id" not in kw and "resume" not in kw
 
     sweep = _info(

@@ -42,9 +42,10 @@ def test_offline_run_matches_metrics_jsonl_and_resumes_same_run(tmp_path, cache_
     assert rec["state"] == "finished"
     assert rec["config"]["loss"]["kl_temperature"] == 2.0
     jsonl = last_values(run_dir / "metrics.jsonl")
+    summary = json.loads((run_dir / "summary.json").read_text())  # the W&B summary is summary.json's
     for key in KEYS:
-        assert key in rec["history_keys"], key
-        assert math.isclose(rec["summary"][key], jsonl[key], rel_tol=1e-6, abs_tol=1e-9), key
+        assert key in rec["history_keys"] and key in jsonl, key
+        assert math.isclose(rec["summary"][key], summary[key], rel_tol=1e-6, abs_tol=1e-9), key
     assert "eval/tau" in rec["summary"]
     run_id = rec["run_id"]
     # resuming continues the same W&B run id
@@ -93,3 +94,63 @@ def test_online_without_key_completes_with_warning(tmp_path, cache_dir, tiny_tar
     proc = launch(args, cache_dir, check=True, env={"HOME": str(tmp_path), "WANDB_API_KEY": "", "WANDB_MODE": ""})
     assert "wandb login" in proc.stdout + proc.stderr
     assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
+
+
+def test_an_unreachable_wandb_server_neither_slows_nor_holds_the_run(tmp_path, cache_dir, tiny_target):
+    """logging.wandb.mode=online against a server on 127.0.0.1 that accepts connections and never answers:
+    training starts at once (W&B starts beside it), metrics.jsonl is complete, the job ends in bounded time and
+    the warning says how to log and sync instead."""
+    import socket
+    import threading
+    import time
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    held = []
+
+    def accept_and_ignore():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            held.append(conn)
+
+    threading.Thread(target=accept_and_ignore, daemon=True).start()
+    run_dir = tmp_path / "run"
+    env = {
+        "WANDB_MODE": "online",
+        "WANDB_API_KEY": "k" * 40,
+        "WANDB_BASE_URL": f"http://127.0.0.1:{server.getsockname()[1]}",
+    }
+    t0 = time.monotonic()
+    try:
+        proc = launch(
+            [
+                "experiment=smoke",
+                "logging=wandb",
+                "logging.wandb.mode=online",
+                "train.max_steps=12",
+                "logging.wandb.init_timeout_s=15",
+                f"hydra.run.dir={run_dir}",
+            ],
+            cache_dir,
+            env=env,
+            timeout=180,
+        )
+    finally:
+        server.close()
+        for conn in held:
+            conn.close()
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert held, "W&B never tried the server"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "train/loss" in r]
+    assert train[-1]["step"] == 12 and any("eval/tau" in r for r in records)
+    assert train[0]["time_s"] < 10  # training did not wait the 15 s W&B spent trying to start
+    assert elapsed < 90, elapsed
+    out = proc.stdout + proc.stderr
+    assert "wandb.init failed" in out and "wandb sync" in out

@@ -12,6 +12,7 @@ import netrc
 import os
 import threading
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -93,7 +94,10 @@ def wandb_init_kwargs(
         "mode": wandb_cfg.mode,
         "reinit": "finish_previous",  # an in-process multirun must never log job 2 into job 1's run
         # system metrics sampling; an x_ setting since 0.19 (was _stats_sample_rate_seconds)
-        "settings": {"x_stats_sampling_interval": float(wandb_cfg.stats_interval_s)},
+        "settings": {
+            "x_stats_sampling_interval": float(wandb_cfg.stats_interval_s),
+            "init_timeout": float(getattr(wandb_cfg, "init_timeout_s", 60.0)),
+        },
     }
     if info.wandb_run_id:
         kwargs.update(id=info.wandb_run_id, resume="allow")
@@ -130,6 +134,7 @@ class WandbCallback(Callback):
         self._tau_best: float | None = None
         self._tau_last: float | None = None
         self._logged_up_to: float | None = None  # resumed run: the last step W&B already has
+        self._starting = False  # wandb.init is running on the worker thread
 
     @property
     def run_id(self) -> str | None:
@@ -138,7 +143,7 @@ class WandbCallback(Callback):
 
     @property
     def active(self) -> bool:
-        return self.run is not None and self.disabled_reason is None
+        return (self.run is not None or self._starting) and self.disabled_reason is None
 
     def state(self) -> dict:
         return {"wandb_run_id": self._run_id} if self._run_id else {}
@@ -161,10 +166,20 @@ class WandbCallback(Callback):
             self._disable(f"{problem}; {_FIX_HINT}")
             return
         kwargs = wandb_init_kwargs(self.cfg, info, self.run_dir)
+        # our own id, known now (checkpoints store it) although W&B starts on the worker thread
+        kwargs.setdefault("id", uuid.uuid4().hex[:8])
+        self._run_id = kwargs["id"]
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._starting = True  # records queue up while W&B starts: training never waits for it
+        self._worker = threading.Thread(
+            target=self._start_and_work, args=(wandb, kwargs, info), name="wandb-logger", daemon=True
+        )
+        self._worker.start()
+
+    def _start_and_work(self, wandb, kwargs: dict, info: RunInfo) -> None:
         run = None
         try:
             kwargs["settings"] = wandb.Settings(**kwargs["settings"])
-            self.run_dir.mkdir(parents=True, exist_ok=True)
             run = wandb.init(**kwargs)
             run.define_metric("step")
             run.define_metric("*", step_metric="step")
@@ -175,14 +190,26 @@ class WandbCallback(Callback):
                 except Exception:  # noqa: BLE001
                     pass
             self._disable(f"wandb.init failed ({type(e).__name__}: {e}); {_FIX_HINT}")
+            with self._cond:
+                self._run_id = info.wandb_run_id  # no new run exists; a resumed one keeps its id
+                self._starting = False
+                self._queue.clear()
+                self._cond.notify_all()
             return
-        self.run = run
-        self._run_id = run.id
+        with self._cond:
+            closing = self._closing
+            self._run_id = run.id  # the id we asked for, unless W&B chose (test doubles do)
+            if not closing:
+                self.run = run
+            self._starting = False
+            self._cond.notify_all()
+        if closing:  # the job ended while W&B was starting: close the late run here
+            run.finish(exit_code=1)
+            return
         if info.wandb_run_id:
             self._continue_from(run)
-        self._worker = threading.Thread(target=self._work, name="wandb-logger", daemon=True)
-        self._worker.start()
         log.info("W&B run %s (%s) logging to %s", run.id, self.cfg.mode, self.run_dir / "wandb")
+        self._work()
 
     def _continue_from(self, run) -> None:
         """A resumed run retrains the steps after its checkpoint that W&B already has: skip logging those
@@ -219,22 +246,47 @@ class WandbCallback(Callback):
         self._enqueue({_MEDIA: {"step": step, "metrics": metrics, "details": details}})
 
     def on_run_end(self, status: str, summary: dict) -> None:
-        if self.run is None:
+        """Flush, then finish the W&B run; every wait is bounded (an unreachable server must not hold the job:
+        `logging.wandb.finish_timeout_s`), and what was not uploaded stays in the run dir for `wandb sync`."""
+        if self.run is None and not self._starting:
             return
         if not self.flush(self.flush_timeout_s):
             log.warning(
-                "W&B: %d records not logged within %.0f s at run end; dropping them",
+                "W&B: %d records not logged within %.0f s at run end; dropping them (metrics.jsonl has them)",
                 len(self._queue),
                 self.flush_timeout_s,
             )
         self._stop_worker()
         run, self.run = self.run, None
-        try:
-            if self.disabled_reason is None:
-                run.summary.update(self._final_summary(summary))
-            run.finish(exit_code=0 if status == "completed" else 1)
-        except Exception as e:
-            log.warning("W&B: finishing the run failed (%s: %s); local files are unaffected", type(e).__name__, e)
+        if run is None:
+            if self.disabled_reason is None:  # else its warning was given already
+                log.warning(
+                    "W&B did not start before the run ended (server unreachable?); nothing was uploaded, "
+                    "metrics.jsonl is complete; %s",
+                    _FIX_HINT,
+                )
+            return
+
+        def finish() -> None:
+            try:
+                if self.disabled_reason is None:
+                    run.summary.update(self._final_summary(summary))
+                run.finish(exit_code=0 if status == "completed" else 1)
+            except Exception as e:
+                log.warning("W&B: finishing the run failed (%s: %s); local files are unaffected", type(e).__name__, e)
+
+        finisher = threading.Thread(target=finish, name="wandb-finish", daemon=True)
+        finisher.start()
+        timeout_s = float(getattr(self.cfg, "finish_timeout_s", 60.0))
+        finisher.join(timeout_s)
+        if finisher.is_alive():
+            log.warning(
+                "W&B: the run did not finish within %.0f s (logging.wandb.finish_timeout_s; server "
+                "unreachable or slow); its files stay in %s: upload them later with `wandb sync %s`",
+                timeout_s,
+                self.run_dir / "wandb",
+                self.run_dir / "wandb" / "latest-run",
+            )
 
     # -- queue and worker
 
@@ -242,7 +294,7 @@ class WandbCallback(Callback):
         """Wait until the worker has logged everything queued so far; False on timeout."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._queue or self._busy:
+            while self._queue or self._busy or self._starting:
                 if self._worker is None or not self._worker.is_alive():
                     return not self._queue
                 left = deadline - time.monotonic()

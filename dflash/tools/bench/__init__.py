@@ -10,6 +10,9 @@ loss: the fused chunked loss (`dflash_loss`) against full-logits autograd (`dfla
       allocates (logits, softmaxes, gradients), on CPU or, for cuda, torch.cuda.max_memory_allocated.
       Options: blocks=70 block_size=16 hidden=4096 vocab=151936 dtype=float32 chunk_size=256 repeats=2
       device=cpu.
+soak: a long run of the real job (async pipeline, evals, checkpoints, W&B offline) watching its RSS;
+      see dflash/tools/bench/soak.py.
+dist: 1 against 2 data-parallel processes with the same work per process; see dflash/tools/bench/dist.py.
 pipeline: pipeline=async against pipeline=sync on the same config with the real stages; see
       dflash/tools/bench/pipeline.py for what is measured and its options.
 """
@@ -24,6 +27,7 @@ BENCHES = {
     "loss": "dflash.tools.bench.loss",
     "pipeline": "dflash.tools.bench.pipeline",
     "dist": "dflash.tools.bench.dist",
+    "soak": "dflash.tools.bench.soak",
 }
 
 
