@@ -280,3 +280,15 @@ def test_dist_bench_prints_the_scaling_efficiency():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "scaling efficiency" in proc.stdout and "        2 " in proc.stdout
+
+
+def test_multirun_under_torchrun_runs_the_jobs_in_turn_on_all_ranks(tmp_path, cache_dir, tiny_target):
+    sweep = tmp_path / "sweep"
+    torchrun(
+        ["-m", "experiment=smoke", "parallel=ddp", "train.seed=0,1", f"hydra.sweep.dir={sweep}"], cache_dir, check=True
+    )
+    for job in ("0", "1"):
+        assert status(sweep / job)["status"] == "completed"
+        assert json.loads((sweep / job / "run.json").read_text())["world"]["size"] == 2
+    summary = json.loads((sweep / "sweep.json").read_text())
+    assert summary["finished"] and [j["status"] for j in summary["jobs"]] == ["completed", "completed"]
