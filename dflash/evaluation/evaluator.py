@@ -140,72 +140,32 @@ def evaluate(
     try:
         for d in drafters:
             d.eval()
-        methods = 2 + bool(baselines) + (untrained_drafter is not None)
-        with torch.no_grad(), display().phase("eval", methods * len(prompts)) as phase:
+        runs = 2 + bool(baselines) + (untrained_drafter is not None)
+        with torch.no_grad(), display().phase("eval", runs * len(prompts)) as phase:
             if warmup:
                 short = dict(max_new_tokens=min(max_new_tokens, 2 * block_size), eos_id=None)
                 speculative_generate(model, None, prompts[0], block_size=1, **short)
                 speculative_generate(model, drafter, prompts[0], block_size=block_size, **short)
-            target_only = _run_all(
-                speculative_generate,
-                prompts,
-                device,
-                temperature,
-                seed,
-                phase=phase,
-                label="target only",
-                target_model=model,
-                drafter=None,
-                block_size=1,
-                **common,
-            )
-            dflash = _run_all(
-                speculative_generate,
-                prompts,
-                device,
-                temperature,
-                seed,
-                phase=phase,
-                label="dflash",
-                target_model=model,
-                drafter=drafter,
-                block_size=block_size,
-                **common,
-            )
-            lookup = (
-                _run_all(
-                    prompt_lookup_generate,
-                    prompts,
-                    device,
-                    temperature,
-                    seed,
-                    phase=phase,
-                    label="prompt lookup",
-                    target_model=model,
-                    block_size=block_size,
-                    ngram=ngram,
-                    **common,
-                )
+            # every method decodes the same prompts through the same loop (block size 1 = the target alone)
+            spec = dict(fn=speculative_generate, target_model=model, block_size=block_size)
+            methods = {
+                "target only": dict(spec, drafter=None, block_size=1),
+                "dflash": dict(spec, drafter=drafter),
+                "prompt lookup": dict(fn=prompt_lookup_generate, target_model=model, block_size=block_size, ngram=ngram)
                 if baselines
-                else None
-            )
-            untrained = (
-                _run_all(
-                    speculative_generate,
-                    prompts,
-                    device,
-                    temperature,
-                    seed,
-                    phase=phase,
-                    label="untrained",
-                    target_model=model,
-                    drafter=untrained_drafter,
-                    block_size=block_size,
-                    **common,
+                else None,
+                "untrained": dict(spec, drafter=untrained_drafter) if untrained_drafter is not None else None,
+            }
+            results = {
+                label: _run_all(
+                    kw.pop("fn"), prompts, device, temperature, seed, phase=phase, label=label, **kw, **common
                 )
-                if untrained_drafter is not None
+                if kw is not None
                 else None
-            )
+                for label, kw in methods.items()
+            }
+            target_only, dflash = results["target only"], results["dflash"]
+            lookup, untrained = results["prompt lookup"], results["untrained"]
     finally:
         for d, mode in zip(drafters, modes):
             d.train(mode)
