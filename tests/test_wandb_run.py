@@ -154,3 +154,43 @@ def test_an_unreachable_wandb_server_neither_slows_nor_holds_the_run(tmp_path, c
     assert elapsed < 90, elapsed
     out = proc.stdout + proc.stderr
     assert "wandb.init failed" in out and "wandb sync" in out
+
+
+def test_a_wandb_server_that_stops_answering_mid_run_neither_slows_nor_holds_the_run(tmp_path, cache_dir, tiny_target):
+    """logging.wandb.mode=online against a W&B-shaped server on 127.0.0.1 that answers the run's start and then
+    stops answering: training keeps its pace, metrics.jsonl is complete, the job ends within a bounded time
+    after its last step and the warning says how to sync the run's files later."""
+    import time
+
+    from fake_wandb_server import FakeWandbServer
+
+    server = FakeWandbServer(hang_after_file_stream=1)
+    run_dir = tmp_path / "run"
+    env = {"WANDB_MODE": "online", "WANDB_API_KEY": "k" * 40, "WANDB_BASE_URL": server.url}
+    t0 = time.monotonic()
+    try:
+        proc = launch(
+            [
+                "experiment=smoke",
+                "logging=wandb",
+                "logging.wandb.mode=online",
+                "train.max_steps=200",
+                "pipeline.monitor_interval_s=0.05",
+                "logging.wandb.finish_timeout_s=10",
+                f"hydra.run.dir={run_dir}",
+            ],
+            cache_dir,
+            env=env,
+            timeout=240,
+        )
+    finally:
+        server.close()
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert server.hang.is_set() and any("graphql" in r for r in server.requests), server.requests[:5]
+    train = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"train/loss"' in x]
+    assert train[-1]["step"] == 200 and train[-1]["time_s"] < 60  # training did not wait for W&B
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
+    out = proc.stdout + proc.stderr
+    assert "did not finish within 10 s" in out and "wandb sync" in out
+    assert elapsed < 150, elapsed
