@@ -424,3 +424,39 @@ def test_sort_keeps_numbers_before_text_in_both_directions() -> None:
     items = ["abc", 2, 1.0, None, "zz", float("nan")]
     assert sort_items(items, [("k", True)], lambda x, k: x)[:4] == [2, 1.0, "zz", "abc"]
     assert sort_items(items, [("k", False)], lambda x, k: x)[:4] == [1.0, 2, "abc", "zz"]
+
+
+def test_seed_groups_get_confidence_intervals_error_bars_and_a_best_command(tmp_path: Path) -> None:
+    """Three seeds of two configurations: mean, std and 95% t interval per group, which group is best and which
+    is within noise of it, an error-bar PNG, and the command line that reruns the best group."""
+    taus = {0.5: [3.0, 3.2, 3.4], 1.0: [3.1, 3.3, 3.5], 2.0: [2.0, 2.1, 2.2]}
+    for j, (alpha, seeds) in enumerate(taus.items()):
+        for s, tau in enumerate(seeds):
+            cfg = base_config(tmp_path / f"{j}_{s}", loss={"streak_alpha": alpha}, train={"seed": s})
+            run = write_run(tmp_path / f"{j}_{s}", cfg, [{"step": 10, "train/loss": 1.0}], summary={"eval/tau": tau})
+            info = {
+                "argv": ["launch.py"],
+                "overrides": [f"loss.streak_alpha={alpha}", f"train.seed={s}", "experiment=sweep_loss"],
+                "choices": {},
+            }
+            (run / "run.json").write_text(json.dumps(info))
+    groups = group_runs(find_runs([tmp_path]))
+    columns, rows = group_table(groups, ["eval/tau"])
+    assert {"n", "eval/tau mean", "eval/tau std", "eval/tau ci95", "eval/tau vs best"} <= set(columns)
+    by_alpha = {row[columns.index("loss.streak_alpha")]: row for row in rows}
+    ci = by_alpha[1.0][columns.index("eval/tau ci95")]
+    assert by_alpha[1.0][columns.index("eval/tau mean")] == pytest.approx(3.3)
+    assert ci == pytest.approx(4.303 * 0.2 / 3**0.5, rel=1e-3)  # t(0.975, 2) * s / sqrt(n)
+    marks = {a: by_alpha[a][columns.index("eval/tau vs best")] for a in taus}
+    assert marks == {1.0: "best", 0.5: "within noise", 2.0: "worse"}
+
+    png = tmp_path / "groups.png"
+    assert main([str(tmp_path), "--group-by", "--plot", str(png), "--plot-metric", "eval/tau"]) == 0
+    assert png.stat().st_size > 5_000
+    import io
+    from contextlib import redirect_stdout
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main([str(tmp_path), "--group-by", "--best", "eval/tau"]) == 0
+    assert out.getvalue().splitlines()[-1] == "python launch.py loss.streak_alpha=1.0 experiment=sweep_loss"

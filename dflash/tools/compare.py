@@ -271,12 +271,90 @@ def group_std(group: RunGroup, metric: str) -> float | None:
     return statistics.stdev(vals) if len(vals) >= 2 else None
 
 
+# two-sided 95% Student t quantiles by degrees of freedom (1..30); above 30 the normal 1.96 is close enough
+_T975 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
+
+
+def group_ci95(group: RunGroup, metric: str) -> float | None:
+    """Half-width of the 95% t confidence interval of the group's mean (seeds as samples); None below 2."""
+    vals = _numbers(group, metric)
+    if len(vals) < 2:
+        return None
+    t = _T975[len(vals) - 2] if len(vals) - 1 <= len(_T975) else 1.96
+    return t * statistics.stdev(vals) / math.sqrt(len(vals))
+
+
+def lower_is_better(metric: str) -> bool:
+    return "loss" in metric or metric.endswith(("_s", "wall_time_s"))
+
+
+def versus_best(groups: Sequence[RunGroup], metric: str) -> list[str]:
+    """Per group: `best`, `within noise` (its 95% interval overlaps the best group's) or `worse`; `n<2` when
+    a group has fewer than two runs to estimate its noise."""
+    means = [group_mean(g, metric) for g in groups]
+    known = [i for i, m in enumerate(means) if m is not None]
+    if not known:
+        return ["" for _ in groups]
+    pick = min if lower_is_better(metric) else max
+    best = pick(known, key=lambda i: means[i])
+    b_lo, b_hi = _interval(groups[best], metric)
+    marks = []
+    for i, g in enumerate(groups):
+        if i == best:
+            marks.append("best")
+        elif means[i] is None:
+            marks.append("")
+        elif group_ci95(g, metric) is None or group_ci95(groups[best], metric) is None:
+            marks.append("n<2")
+        else:
+            lo, hi = _interval(g, metric)
+            marks.append("within noise" if lo <= b_hi and b_lo <= hi else "worse")
+    return marks
+
+
+def _interval(group: RunGroup, metric: str) -> tuple[float, float]:
+    mean, half = group_mean(group, metric), group_ci95(group, metric) or 0.0
+    return mean - half, mean + half
+
+
 def group_table(
     groups: Sequence[RunGroup],
     metrics: Sequence[str] = DEFAULT_METRICS,
     seed_key: str | None = DEFAULT_SEED_KEY,
 ) -> tuple[list[str], list[list[Any]]]:
-    """One row per group: group keys, the seeds it holds, n, `<metric> mean` / `<metric> std`, statuses.
+    """One row per group: group keys, the seeds it holds, n, `<metric> mean` / `std` / `ci95` (half-width of
+    the 95% t interval over the group's runs), `vs best` for the first metric, statuses.
 
     Means and stds are over the runs that have a finite value; the status column shows what the group holds
     (e.g. `completed:2 failed:1`), filter with `status==completed` to average finished runs only.
@@ -285,17 +363,21 @@ def group_table(
     show_seed = seed_key is not None and seed_key not in keys
     columns = keys + ([seed_key] if show_seed else []) + ["n"]
     for m in metrics:
-        columns += [f"{m} mean", f"{m} std"]
+        columns += [f"{m} mean", f"{m} std", f"{m} ci95"]
+    columns += [f"{metrics[0]} vs best"] if metrics else []
     columns += ["status", "wall_time_s mean"]
+    marks = versus_best(groups, metrics[0]) if metrics else []
     rows = []
-    for g in groups:
+    for gi, g in enumerate(groups):
         row: list[Any] = [("null" if g.key[k] is None else g.key[k]) for k in keys]
         if show_seed:
             seeds = [r.config.get(seed_key) for r in g.runs]
             row.append(",".join(_as_text(s) for s in seeds if s is not None) or None)
         row.append(len(g.runs))
         for m in metrics:
-            row += [group_mean(g, m), group_std(g, m)]
+            row += [group_mean(g, m), group_std(g, m), group_ci95(g, m)]
+        if metrics:
+            row.append(marks[gi])
         counts: dict[str, int] = {}
         for r in g.runs:
             counts[r.status] = counts.get(r.status, 0) + 1

@@ -31,11 +31,13 @@ from dflash.tools.compare import (
     config_cell,
     diff_table,
     filter_runs,
+    group_ci95,
     group_mean,
     group_runs,
     group_table,
     human,
     is_ignored,
+    lower_is_better,
     machine_value,
     parse_sort,
     sort_items,
@@ -140,6 +142,53 @@ def plot_runs(
     return out
 
 
+def plot_groups(groups: Sequence, metric: str, out: str | os.PathLike) -> Path:
+    """The final `metric` of each group as its mean with a 95% confidence interval (error bar) over its runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, means, errors = [], [], []
+    for g in groups:
+        mean = group_mean(g, metric)
+        if mean is None:
+            continue
+        labels.append(", ".join(f"{k}={human(v, k)}" for k, v in g.key.items()) + f" (n={len(g.runs)})")
+        means.append(mean)
+        errors.append(group_ci95(g, metric) or 0.0)
+    if not means:
+        raise ValueError(f"--plot-metric {metric!r}: no group has a final value of it")
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(means) + 3), 5))
+    ax.errorbar(range(len(means)), means, yerr=errors, fmt="o", capsize=6)
+    ax.set_xticks(range(len(means)), labels, rotation=20, ha="right", fontsize="small")
+    ax.set_ylabel(f"{metric} (mean, 95% CI over seeds)")
+    ax.set_title(f"{metric} by group")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
+def best_command(runs: Sequence[Run], groups: Sequence | None, key: str, seed_key: str) -> str:
+    """The command line that reruns the best run by `key` (with groups: the best group's mean, without its
+    seed), from the overrides its run.json recorded."""
+    if groups is None:
+        scored = [(float(r.get(key)), [r]) for r in runs if is_number(r.get(key))]
+    else:
+        scored = [(group_mean(g, key), g.runs) for g in groups if group_mean(g, key) is not None]
+    if not scored:
+        raise ValueError(f"--best {key}: no run has a number for it")
+    score, members = (min if lower_is_better(key) else max)(scored, key=lambda s: s[0])
+    drop = ("hydra.", "resume=") + ((seed_key + "=",) if groups is not None else ())
+    overrides = [o for o in members[0].overrides if not o.lstrip("+~").startswith(drop)]
+    what = f"mean of {len(members)} runs" if groups is not None else members[0].name
+    return f"# best by {key}: {score:.4g} ({what})\npython launch.py {' '.join(overrides)}".rstrip()
+
+
 def _split(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
@@ -198,7 +247,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar=("RUN_A", "RUN_B"),
         help="config keys that differ between two run dirs, and metric deltas B - A",
     )
-    p.add_argument("--plot", metavar="OUT.png", help="write a PNG with one curve per run")
+    p.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        help="write a PNG: one curve per run, or with --group-by each group's mean with a 95%% CI",
+    )
+    p.add_argument(
+        "--best",
+        metavar="KEY",
+        help="print the command line that reruns the best run (with --group-by: "
+        "the best group, without its seed) by KEY",
+    )
     p.add_argument("--plot-metric", default="train/loss", help="metric to plot (default: train/loss)")
     p.add_argument("--plot-x", default="step", choices=("step", "tokens", "time_s"), help="x axis of --plot")
     return p
@@ -224,15 +283,23 @@ def run_cli(args: argparse.Namespace) -> str:
     check_keys([k for k, _ in sort], runs, "--sort")
     if list(args.metrics) != list(DEFAULT_METRICS):  # the defaults may be missing (e.g. runs without eval)
         check_keys(args.metrics, runs, "--metrics")
-    if args.plot:
+    if args.plot and not args.group_by:
         path = plot_runs(runs, args.plot_metric, args.plot, args.plot_x, args.ignore)
         log.info("wrote %s", path)
+    if args.best and not args.group_by:
+        check_keys([args.best], runs, "--best")
+        return best_command(runs, None, args.best, args.seed_key)
     if args.group_by:
         by = None if args.group_by == "auto" else _split(args.group_by)
         if by:
             check_keys(by, runs, "--group-by")
         groups = group_runs(runs, by, args.seed_key, args.ignore)
         groups = sort_items(groups, sort, lambda g, k: g.key[k] if k in g.key else group_mean(g, k))
+        if args.plot:
+            log.info("wrote %s", plot_groups(groups, args.plot_metric, args.plot))
+        if args.best:
+            check_keys([args.best], runs, "--best")
+            return best_command(runs, groups, args.best, args.seed_key)
         columns, rows = group_table(groups, args.metrics, args.seed_key if by is None else None)
         title = f"{len(runs)} runs in {len(groups)} groups"
     else:
