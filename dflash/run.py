@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import signal
 import threading
 import time
@@ -32,7 +33,7 @@ from dflash.model.build import build_drafter_config, init_drafter, resolve_mask_
 from dflash.model.export import export_drafter
 from dflash.model.target import DTYPES, TargetModel, load_target_config, resolve_device
 from dflash.resume import resume_config
-from dflash.rundir import RunDir, StatusFile
+from dflash.rundir import RunDir, StatusFile, cpu_model
 from dflash.secrets import redact
 from dflash.terminal import display, install_logging, uninstall_logging
 from dflash.tools.report import write_report
@@ -99,7 +100,7 @@ def main(cfg: DictConfig, info: JobInfo | None = None) -> float | None:
         status.running()
     stop = interrupts.stop_event()  # the long phases (target build, regeneration, evals) watch it too
     stop.clear()
-    previous = _install_signal_handlers(
+    previous = interrupts.install_signal_handlers(
         stop,
         lambda name: (
             status and status.finish("interrupted", error=f"second {name}: exited at once, without a final checkpoint")
@@ -209,6 +210,14 @@ def train(
                 }
             )
             run.write_summary(summary)
+            if "eval/tau" in summary:  # a result is a figure of its seed and its machine
+                log.info(
+                    "final tau %.3f (train.seed=%d, %s, %d cores)",
+                    summary["eval/tau"],
+                    cfg.train.seed,
+                    cpu_model() if job.device.type == "cpu" else torch.cuda.get_device_name(job.device),
+                    os.cpu_count() or 0,
+                )
             if cfg.logging.report:
                 _write_report(run)
         world.barrier()  # every rank ends the job together (the next job of a multirun starts in step)
@@ -417,29 +426,3 @@ def _threads_per_stage(cfg, device: torch.device) -> int | None:
         return cfg.pipeline.threads_per_stage
     stages = cfg.pipeline.target_workers + 1 if cfg.pipeline.mode == "async" else 1
     return max(1, torch.get_num_threads() // stages)
-
-
-def _install_signal_handlers(stop: threading.Event, before_forced_exit=None) -> dict:
-    """SIGTERM and SIGINT set the stop event; the pipeline winds down, checkpoints and reports `interrupted`.
-    A second signal falls back to the default behaviour (immediate exit), after `before_forced_exit()` (which
-    records the status: no cleanup runs after that)."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    previous = {}
-
-    def handler(signum, frame):
-        if stop.is_set():
-            if before_forced_exit is not None:
-                try:
-                    before_forced_exit(signal.Signals(signum).name)
-                except Exception:  # noqa: BLE001 - the user asked to exit now
-                    pass
-            signal.signal(signum, signal.SIG_DFL)
-            signal.raise_signal(signum)
-        log.warning("received %s: stopping after the current step", signal.Signals(signum).name)
-        interrupts.received = signum
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        previous[sig] = signal.signal(sig, handler)
-    return previous

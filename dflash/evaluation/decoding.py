@@ -30,6 +30,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from dflash import interrupts
 from dflash.model.drafter import DFlashDraftModel, DraftKVCache
 
 EosIds = int | Sequence[int] | None
@@ -302,6 +303,7 @@ def verify_generate(
     seq = list(prompt_ids) + new
     accept_lengths: list[int] = []
     while len(new) < max_new_tokens and new[-1] not in eos:
+        interrupts.check("eval")  # a stop request ends even a long generation within a cycle
         start = len(seq) - 1  # the anchor's position; the target cache holds positions 0 .. start - 1
         drafts = proposer.propose(seq, features, block_size - 1) if block_size > 1 else []
         if len(drafts) != block_size - 1:
