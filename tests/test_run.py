@@ -299,13 +299,13 @@ def test_second_signal_records_the_status_before_the_forced_exit(monkeypatch):
     """A second SIGTERM/SIGINT exits at once (no cleanup): status.json must say so first, not stay running."""
     import threading
 
-    from dflash import run
+    from dflash import interrupts
 
     installed, raised, recorded = {}, [], []
-    monkeypatch.setattr(run.signal, "signal", lambda sig, h: installed.setdefault(sig, h))  # keeps the first
-    monkeypatch.setattr(run.signal, "raise_signal", raised.append)
+    monkeypatch.setattr(interrupts.signal, "signal", lambda sig, h: installed.setdefault(sig, h))  # keeps the first
+    monkeypatch.setattr(interrupts.signal, "raise_signal", raised.append)
     stop = threading.Event()
-    run._install_signal_handlers(stop, recorded.append)
+    interrupts.install_signal_handlers(stop, recorded.append)
     handler = installed[signal.SIGTERM]
     handler(signal.SIGTERM, None)
     assert stop.is_set() and recorded == [] and raised == []  # first signal: a graceful stop
