@@ -165,7 +165,8 @@ def train(
     torch.manual_seed(cfg.train.seed)
     run = RunDir(run_dir)
     job = build_job(cfg, run, world)
-    fingerprint = data_fingerprint(cfg.data, cfg.model.target)
+    # hashed once (rank 0), not by every rank: the files can be gigabytes
+    fingerprint = world.broadcast_object(data_fingerprint(cfg.data, cfg.model.target) if world.is_main else None)
     job.checkpoints.data_fingerprint = fingerprint
     job.checkpoints.check_before_resume = lambda ckpt, meta: _check_data_unchanged(
         cfg, run, world, ckpt, meta, fingerprint

@@ -106,6 +106,17 @@ def _terminal_width() -> int:
     return 1000
 
 
+def _save(fig, out: str | os.PathLike) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
 def plot_runs(
     runs: Sequence[Run], metric: str, out: str | os.PathLike, x: str = "step", ignore: Sequence[str] = DEFAULT_IGNORE
 ) -> Path:
@@ -134,12 +145,7 @@ def plot_runs(
     ax.set_ylabel(metric)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # long labels beside the axes
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def plot_groups(groups: Sequence, metric: str, out: str | os.PathLike) -> Path:
@@ -165,12 +171,7 @@ def plot_groups(groups: Sequence, metric: str, out: str | os.PathLike) -> Path:
     ax.set_ylabel(f"{metric} (mean, 95% CI over seeds)")
     ax.set_title(f"{metric} by group")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def best_command(runs: Sequence[Run], groups: Sequence | None, key: str, seed_key: str) -> str:
