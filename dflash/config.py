@@ -147,11 +147,14 @@ class RegenerateConfig:
 @dataclass
 class DataConfig:
     name: str = MISSING  # stdlib | jsonl
-    path: str | None = None  # jsonl: a file or a directory of .jsonl files
+    path: str | None = None  # jsonl: a .jsonl file, a directory of them, or a glob
     on_bad_record: str = "fail"  # fail | skip
     holdout_fraction: float = 0.05  # share of stdlib files / last jsonl records kept out of training (eval prompts)
     max_files: int | None = None  # stdlib: cap on source files read (null = all)
-    min_supervised_tokens: int | None = None  # null = 2 * block_size
+    min_supervised_tokens: int | None = None  # stdlib windows: null = 2 * block_size
+    num_proc: int | None = None  # jsonl: processes that render the records (null = up to 8, one per core)
+    pad_to_multiple_of: int = 64  # jsonl: a batch is as wide as its longest conversation, rounded up to this
+    chat_template_kwargs: dict = field(default_factory=dict)  # jsonl: e.g. {enable_thinking: false} for Qwen3
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
 
@@ -341,6 +344,8 @@ def validate(cfg: DictConfig | Config) -> None:
         _check(bool(d.path), "data.path", d.path, "data=jsonl needs data.path (a .jsonl file or a directory of them)")
     _check(0.0 < d.holdout_fraction < 1.0, "data.holdout_fraction", d.holdout_fraction, "must be in (0, 1)")
     _optional_at_least("data.max_files", d.max_files, 1)
+    _optional_at_least("data.num_proc", d.num_proc, 1)
+    _optional_at_least("data.pad_to_multiple_of", d.pad_to_multiple_of, 1)
     r = d.regenerate
     if r.enabled:
         _check(
@@ -406,40 +411,6 @@ def validate(cfg: DictConfig | Config) -> None:
 def _optional_at_least(key: str, value: Any, low: int) -> None:
     if value is not None:
         _check(value >= low, key, value, f"must be >= {low} (or null)")
-
-
-def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
-    """z-lab's spread: one feature -> [L // 2]; else evenly from layer 1 to L - 3 (Qwen3-8B: [1, 9, 17, 25, 33])."""
-    if num_features == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    if end < start:
-        raise ConfigError(
-            f"the target has {num_target_layers} layers; the default spread needs >= 4, set model.target_layer_ids"
-        )
-    span = end - start
-    return [int(round(start + i * span / (num_features - 1))) for i in range(num_features)]
-
-
-def resolve_target_layer_ids(model_cfg: Any, num_target_layers: int) -> list[int]:
-    """The target layer ids a run uses, checked against the target's layer count."""
-    if model_cfg.target_layer_ids is None:
-        n = model_cfg.num_target_features or model_cfg.num_draft_layers
-        ids = default_target_layer_ids(num_target_layers, n)
-        if len(set(ids)) != len(ids):
-            raise ConfigError(
-                f"model.target_layer_ids=null spreads {n} features over a {num_target_layers}-layer target as {ids}, "
-                "repeating layers: set model.target_layer_ids explicitly or use fewer features"
-            )
-        return ids
-    ids = [int(i) for i in model_cfg.target_layer_ids]
-    bad = [i for i in ids if not 0 <= i < num_target_layers]
-    if bad:
-        raise ConfigError(
-            f"model.target_layer_ids={ids} is invalid: ids {bad} are outside the target's layers "
-            f"0..{num_target_layers - 1}"
-        )
-    return ids
 
 
 def to_container(cfg: DictConfig) -> dict:

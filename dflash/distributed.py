@@ -149,6 +149,24 @@ class World:
 
             _set_pg_timeout(dt.timedelta(seconds=seconds), _get_default_group())
 
+    def main_first(self, build):
+        """`build()` on rank 0 first (e.g. the one writer of a cache), then on the others; a failure on rank 0 is
+        raised on every rank instead of leaving them waiting (they wait up to the current collective timeout)."""
+        if not self.distributed or self.size == 1:
+            return build()
+        if self.is_main:
+            try:
+                result = build()
+            except Exception as e:
+                self.broadcast_object(f"{type(e).__name__}: {e}")
+                raise
+            self.broadcast_object(None)
+            return result
+        failure = self.broadcast_object(None)
+        if failure:
+            raise RuntimeError(f"rank 0 failed first: {failure}")
+        return build()
+
     # -- failures ------------------------------------------------------------------------------------------
 
     def report_failure(self, message: str) -> None:

@@ -22,14 +22,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dflash import interrupts
-from dflash.config import ConfigError, resolve_target_layer_ids, validate
-from dflash.data.batches import PackedBatches, build_batches, rank_batches
+from dflash.config import ConfigError, validate
+from dflash.data.batches import rank_batches
 from dflash.data.corpus import jsonl_files, load_tokenizer
 from dflash.data.fingerprint import data_fingerprint, differences
+from dflash.data.training_data import TrainingData, build_training_data
 from dflash.distributed import World, init_world, launch_rank
 from dflash.evaluation.evaluator import Evaluator
 from dflash.job_info import JobInfo, hydra_job_info
-from dflash.model.build import build_drafter_config, init_drafter, resolve_mask_token_id
+from dflash.model.build import build_drafter_config, init_drafter, resolve_mask_token_id, resolve_target_layer_ids
 from dflash.model.export import export_drafter
 from dflash.model.target import DTYPES, TargetModel, load_target_config, resolve_device
 from dflash.resume import resume_config
@@ -67,8 +68,7 @@ class Job:
     target: TargetModel
     drafter: torch.nn.Module
     device: torch.device
-    batches: PackedBatches
-    skipped_records: int
+    data: TrainingData
     trainer: DrafterTrainer
     checkpoints: CheckpointManager
     evaluator: Evaluator
@@ -165,9 +165,7 @@ def train(
     torch.manual_seed(cfg.train.seed)
     run = RunDir(run_dir)
     job = build_job(cfg, run, world)
-    # hashed once (rank 0), not by every rank: the files can be gigabytes
-    fingerprint = world.broadcast_object(data_fingerprint(cfg.data, cfg.model.target) if world.is_main else None)
-    job.checkpoints.data_fingerprint = fingerprint
+    fingerprint = job.checkpoints.data_fingerprint
     job.checkpoints.check_before_resume = lambda ckpt, meta: _check_data_unchanged(
         cfg, run, world, ckpt, meta, fingerprint
     )
@@ -289,14 +287,19 @@ def build_job(cfg: DictConfig, run: RunDir, world: World | None = None) -> Job:
         )
     device = world.device if world.distributed else resolve_device(cfg.model.device)
     target = TargetModel.load(cfg.model.target, layer_ids, cfg.model.dtype, str(device))
-    batches, skipped_records = build_batches(
-        cfg.data,
-        cfg.train,
-        tokenizer,
-        cfg.model.block_size,
-        target_model=target.model,
-        target_path=cfg.model.target,
-        cache_dir=cfg.paths.cache_dir,
+    # hashed once (rank 0), not by every rank: the files can be gigabytes
+    fingerprint = world.broadcast_object(data_fingerprint(cfg.data, cfg.model.target) if world.is_main else None)
+    data = world.main_first(  # data=jsonl under torchrun: rank 0 renders into the cache, then the others load it
+        lambda: build_training_data(
+            cfg.data,
+            cfg.train,
+            tokenizer,
+            cfg.model.block_size,
+            target_model=target.model,
+            target_path=cfg.model.target,
+            cache_dir=cfg.paths.cache_dir,
+            fingerprint=fingerprint,
+        )
     )
     drafter_config = build_drafter_config(target_config, cfg.model, layer_ids, mask_id)
     drafter = init_drafter(drafter_config, cfg.train.seed, device, DTYPES[cfg.model.dtype])
@@ -307,10 +310,11 @@ def build_job(cfg: DictConfig, run: RunDir, world: World | None = None) -> Job:
         cfg.model.block_size,
         mask_id,
     )
-    evaluator = Evaluator(cfg, target, drafter, tokenizer, run, world)  # copies the untrained drafter first
+    evaluator = Evaluator(cfg, target, drafter, tokenizer, run, world, data.chat)  # copies the untrained drafter first
     model = parallelize_drafter(drafter, world, cfg.parallel.mixed_precision)
     evaluator.model = model
     checkpoints = CheckpointManager(cfg.checkpoint, run.path, drafter, cfg.model.target, world, model)
+    checkpoints.data_fingerprint = fingerprint
     first_step = [True]
 
     def after_step(trainer: DrafterTrainer) -> None:
@@ -321,7 +325,7 @@ def build_job(cfg: DictConfig, run: RunDir, world: World | None = None) -> Job:
         evaluator.maybe_eval(trainer)
 
     trainer = DrafterTrainer(cfg, target, drafter, mask_id, total_steps(cfg.train), after_step, world, model)
-    return Job(target, drafter, device, batches, skipped_records, trainer, checkpoints, evaluator, world, model)
+    return Job(target, drafter, device, data, trainer, checkpoints, evaluator, world, model)
 
 
 def run_pipeline(cfg: DictConfig, job: Job, stop: threading.Event, on_tick) -> str:
@@ -334,7 +338,7 @@ def run_pipeline(cfg: DictConfig, job: Job, stop: threading.Event, on_tick) -> s
         if world.distributed:  # a stop is agreed by all ranks at a step boundary (the trainer), never one alone
             job.trainer.stop_requested = stop.is_set
         pipeline = Pipeline(
-            rank_batches(job.batches.iterate(*job.trainer.next_data), world.rank, world.size),
+            rank_batches(job.data.batches.iterate(*job.trainer.next_data), world.rank, world.size),
             TargetForward(job.target, job.device, cfg.debug.fail_target_at_batch),
             job.trainer.train_on,
             mode=cfg.pipeline.mode,
@@ -389,8 +393,8 @@ def _ticker(job: Job, callbacks: CallbackList, summary: dict, t_start: float):
             if elapsed > 0:  # all ranks' tokens: the trainer counts global batches
                 metrics["perf/ktok_s"] = (job.trainer.tokens - last["tokens"]) / elapsed / 1000.0
             last.update(tokens=job.trainer.tokens, time=now)
-        if job.skipped_records:
-            metrics["data/skipped_records"] = job.skipped_records
+        if job.data.skipped_records:
+            metrics["data/skipped_records"] = job.data.skipped_records
         summary.update({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
         callbacks.on_metrics(metrics)
 

@@ -11,12 +11,8 @@ from conftest import REPO, launch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from dflash.config import (
-    ConfigError,
-    register_configs,
-    resolve_target_layer_ids,
-    validate,
-)
+from dflash.config import ConfigError, register_configs, validate
+from dflash.model.build import resolve_target_layer_ids
 
 CONF = REPO / "conf"
 register_configs()

@@ -1,85 +1,196 @@
-"""Loss masks of chat records: exactly the assistant turns' tokens are supervised."""
+"""data=jsonl: assistant masks from character spans, the `datasets` cache, bad records, eval prompts."""
 
 from __future__ import annotations
 
 import copy
+import json
+import random
+from pathlib import Path
 
+import numpy as np
 import pytest
+from omegaconf import OmegaConf
 
-from dflash.data.corpus import BadRecordError, _render_record
+from dflash.data.chat import end_of_turn_marker, render_record
+from dflash.data.corpus import BadRecordError
 
+QWEN3_STYLE = (Path(__file__).parent / "data" / "qwen3_style.jinja").read_text()
+
+# answers that start with indentation or newlines: BPE merges them with the generation prompt's newline
 CONVERSATION = [
+    {"role": "system", "content": "be brief"},
     {"role": "user", "content": "first question"},
-    {"role": "assistant", "content": "first answer"},
+    {"role": "assistant", "content": "    x = 1\n    y = 2"},
     {"role": "user", "content": "second question"},
-    {"role": "assistant", "content": "second answer"},
+    {"role": "assistant", "content": "\n\nsecond answer"},
+    {"role": "user", "content": "third"},
+    {"role": "assistant", "content": "<think>let me see</think>\n\nthird answer"},
 ]
 
-# Like Qwen3's template: an empty think block on the final assistant turn only.
-LAST_TURN_DIFFERS = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['role'] == 'assistant' and loop.last %}<think></think>{% endif %}"
-    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
-
-def _supervised_text(tokenizer, doc) -> list[str]:
-    """The supervised spans, decoded."""
-    import itertools
-
-    runs = itertools.groupby(zip(doc.ids, doc.loss_mask), key=lambda pair: pair[1])
-    return [tokenizer.decode([tok for tok, _ in run]) for on, run in runs if on]
-
-
-def test_every_assistant_turn_is_supervised_with_a_consistent_template(tiny_tokenizer):
-    doc = _render_record({"messages": CONVERSATION}, tiny_tokenizer, "x.jsonl:1")
-    assert _supervised_text(tiny_tokenizer, doc) == ["first answer<|im_end|>\n", "second answer<|im_end|>\n"]
-
-
-def test_turns_rendered_differently_alone_are_not_supervised(tiny_tokenizer):
-    tok = copy.deepcopy(tiny_tokenizer)
-    tok.chat_template = LAST_TURN_DIFFERS
-    doc = _render_record({"messages": CONVERSATION}, tok, "x.jsonl:1")
-    # the first answer rendered alone gains <think></think>: its span would have run into the next user turn
-    assert _supervised_text(tok, doc) == ["<think></think>second answer<|im_end|>\n"]
-
-
-def test_a_record_without_a_consistent_turn_is_bad(tiny_tokenizer):
-    tok = copy.deepcopy(tiny_tokenizer)
-    tok.chat_template = (
-        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+def _render(tokenizer, record, **template_kwargs):
+    return render_record(
+        record, tokenizer, "x.jsonl:1", end_of_turn_marker(tokenizer, **template_kwargs), **template_kwargs
     )
-    with pytest.raises(BadRecordError, match="x.jsonl:1: the chat template renders no assistant turn"):
-        _render_record({"messages": CONVERSATION[:2]}, tok, "x.jsonl:1")
 
 
-def test_jsonl_eval_prompts_come_from_records_kept_out_of_training(tmp_path, tiny_tokenizer):
-    import json
+def _expected_mask(tokenizer, text: str, spans: list[str]) -> list[bool]:
+    """Hand-computed: the tokens whose characters overlap the given substrings of `text` (in order)."""
+    char_spans, at = [], 0
+    for s in spans:
+        start = text.index(s, at)
+        char_spans.append((start, start + len(s)))
+        at = start + len(s)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return [any(a < e and b > s for s, e in char_spans) for a, b in enc["offset_mapping"]]
 
-    from omegaconf import OmegaConf
 
-    from dflash.data.batches import build_batches
+def test_assistant_masks_of_the_tiny_template_match_hand_computed_spans(tiny_tokenizer):
+    text = tiny_tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    doc = _render(tiny_tokenizer, {"messages": CONVERSATION})
+    spans = [
+        "    x = 1\n    y = 2<|im_end|>",
+        "\n\nsecond answer<|im_end|>",
+        "<think>let me see</think>\n\nthird answer<|im_end|>",
+    ]
+    assert doc.ids == tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert doc.loss_mask == _expected_mask(tiny_tokenizer, text, spans)
+    # the generation prompt's newline merged into the answer's first token: that token is supervised
+    first = doc.answer_starts[0]
+    assert tiny_tokenizer.decode(doc.ids[first]).startswith("\n") and doc.loss_mask[first]
+    assert len(doc.answer_starts) == 3
+
+
+def test_assistant_masks_of_a_qwen3_style_template_with_think_blocks(tiny_tokenizer):
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = QWEN3_STYLE
+    text = tok.apply_chat_template(CONVERSATION, tokenize=False)
+    # earlier turns lose their reasoning; the last one keeps it in a think block
+    assert "<|im_start|>assistant\n<think>\nlet me see\n</think>\n\nthird answer<|im_end|>" in text
+    doc = _render(tok, {"messages": CONVERSATION})
+    spans = [
+        "    x = 1\n    y = 2<|im_end|>",
+        "\n\nsecond answer<|im_end|>",
+        "<think>\nlet me see\n</think>\n\nthird answer<|im_end|>",
+    ]
+    assert doc.loss_mask == _expected_mask(tok, text, spans)
+    # a last turn without reasoning gets an empty think block: supervised too (the model writes it)
+    short = CONVERSATION[:3]
+    text = tok.apply_chat_template(short, tokenize=False)
+    doc = _render(tok, {"messages": short})
+    assert doc.loss_mask == _expected_mask(tok, text, ["<think>\n\n</think>\n\n    x = 1\n    y = 2<|im_end|>"])
+
+
+def test_no_valid_conversation_is_skipped(tiny_tokenizer):
+    """Random multi-turn conversations whose answers start with indentation, newlines or text: every assistant
+    turn of every record gets supervised tokens, under both templates."""
+    rng = random.Random(0)
+    qwen = copy.deepcopy(tiny_tokenizer)
+    qwen.chat_template = QWEN3_STYLE
+    for tok in (tiny_tokenizer, qwen):
+        for i in range(150):
+            msgs = []
+            for t in range(rng.randint(1, 4)):
+                msgs.append({"role": "user", "content": f"q{i}.{t}" + " why?" * rng.randint(0, 3)})
+                lead = rng.choice(["", "    ", "\n", "\n\n  ", "\t", " "])
+                msgs.append({"role": "assistant", "content": lead + f"def f{t}(x):\n    return x + {i}\n"})
+            doc = _render(tok, {"messages": msgs})
+            assert len(doc.answer_starts) == len(msgs) // 2
+            spans = np.split(np.asarray(doc.loss_mask), doc.answer_starts[1:])
+            assert all(s.any() for s in spans)
+
+
+def test_sharegpt_records_render_like_messages(tiny_tokenizer):
+    messages = CONVERSATION[1:3]
+    sharegpt = [{"from": "human", "value": messages[0]["content"]}, {"from": "gpt", "value": messages[1]["content"]}]
+    a = _render(tiny_tokenizer, {"messages": messages})
+    b = _render(tiny_tokenizer, {"conversations": sharegpt})
+    assert (a.ids, a.loss_mask) == (b.ids, b.loss_mask)
+    with pytest.raises(BadRecordError, match="x.jsonl:1: unknown speaker"):
+        _render(tiny_tokenizer, {"conversations": [{"from": "narrator", "value": "once"}, *sharegpt]})
+
+
+def _data_cfg(path, **kw):
+    from dflash.config import DataConfig
+
+    return OmegaConf.merge(OmegaConf.structured(DataConfig(name="jsonl", path=str(path))), kw)
+
+
+def _load(cfg, tokenizer, target, cache):
+    from dflash.data import chat_dataset
+    from dflash.data.fingerprint import data_fingerprint
+
+    chat_dataset._loaded.clear()  # each call renders or reads the cache, as a new process would
+    return chat_dataset.load_chat_data(cfg, tokenizer, data_fingerprint(cfg, str(target)), str(cache))
+
+
+def test_bad_records_are_counted_or_fail_with_file_and_line(tmp_path, tiny_tokenizer, tiny_target):
+    good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
+    empty_turn = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]})
+    empty_text = json.dumps({"text": ""})
+    data = tmp_path / "data.jsonl"
+    lines = [good.encode(), empty_turn.encode(), empty_text.encode(), b'{"text": "caf\xe9"}', good.encode()]
+    data.write_bytes(b"\n".join(lines) + b"\n")
+    chat = _load(_data_cfg(data, on_bad_record="skip"), tiny_tokenizer, tiny_target, tmp_path / "c")
+    assert chat.skipped == 3 and chat.train_rows.size + chat.heldout_rows.size == 2
+    with pytest.raises(BadRecordError, match=rf"{data}:2: assistant message 1 is empty"):
+        _load(_data_cfg(data), tiny_tokenizer, tiny_target, tmp_path / "c")
+    data.write_bytes(b"\n".join([good.encode(), b'{"text": "caf\xe9"}']) + b"\n")
+    with pytest.raises(BadRecordError, match=rf"{data}:2: not UTF-8"):
+        _load(_data_cfg(data), tiny_tokenizer, tiny_target, tmp_path / "c")
+    data.write_text(good + "\n" + empty_text + "\n")
+    with pytest.raises(BadRecordError, match=rf"{data}:2: 'text' is empty"):
+        _load(_data_cfg(data), tiny_tokenizer, tiny_target, tmp_path / "c")
+
+
+def test_the_rendered_records_are_cached_and_rerendered_when_the_file_changes(
+    tmp_path, tiny_tokenizer, tiny_target, monkeypatch
+):
+    from dflash.data import chat_dataset
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"record {r}\n" * 3}) + "\n" for r in range(30)))
+    cfg = _data_cfg(data)
+    first = _load(cfg, tiny_tokenizer, tiny_target, tmp_path / "c")
+
+    def no_render(*args, **kwargs):
+        raise AssertionError("rendered again")
+
+    monkeypatch.setattr(chat_dataset, "_render_batch", no_render)
+    again = _load(cfg, tiny_tokenizer, tiny_target, tmp_path / "c")  # from the Arrow cache
+    assert again.key == first.key and again.lengths.tolist() == first.lengths.tolist()
+    data.write_text("".join(json.dumps({"text": f"changed {r}\n"}) + "\n" for r in range(30)))
+    with pytest.raises(AssertionError, match="rendered again"):
+        _load(cfg, tiny_tokenizer, tiny_target, tmp_path / "c")
+
+
+def test_jsonl_eval_prompts_come_from_records_kept_out_of_training(tmp_path, tiny_tokenizer, tiny_target):
     from dflash.data.prompts import heldout_prompts
+    from dflash.data.training_data import build_training_data
 
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps({"text": f"this is record {r}\n" * 12}) + "\n" for r in range(20)))
-    data = OmegaConf.create(
-        {
-            "name": "jsonl",
-            "path": str(path),
-            "on_bad_record": "fail",
-            "holdout_fraction": 0.1,
-            "min_supervised_tokens": 1,
-        }
-    )
+    data = _data_cfg(path, holdout_fraction=0.1)
     train = OmegaConf.create({"seq_len": 16, "batch_size": 1, "seed": 0})
-    batches, _ = build_batches(data, train, tiny_tokenizer, block_size=4)
-    trained = tiny_tokenizer.decode(batches.windows.flatten().tolist())
-    assert "record 0\n" in trained and "record 18" not in trained and "record 19" not in trained
-    prompts = [tiny_tokenizer.decode(p) for p in heldout_prompts(tiny_tokenizer, data, num_prompts=4, prompt_len=12)]
+    td = build_training_data(data, train, tiny_tokenizer, 4, target_path=str(tiny_target), cache_dir=str(tmp_path))
+    seen = set()
+    for batch, _ in zip(td.batches.iterate(), range(len(td.batches))):
+        seen.add(tiny_tokenizer.decode(batch.input_ids[0, : int(batch.lengths[0])].tolist()))
+    assert any("record 0\n" in s for s in seen) and not any("record 18" in s or "record 19" in s for s in seen)
+    prompts = heldout_prompts(tiny_tokenizer, data, 4, 12, chat=td.chat)
     assert len(prompts) == 4
-    assert all("record 18\n" in p or "record 19\n" in p for p in prompts), prompts
+    assert all("record 18\n" in tiny_tokenizer.decode(p) or "record 19\n" in tiny_tokenizer.decode(p) for p in prompts)
+
+
+def test_chat_eval_prompts_end_where_an_answer_starts(tmp_path, tiny_tokenizer, tiny_target):
+    from dflash.data.prompts import heldout_prompts
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": CONVERSATION[1:5]}) + "\n" for _ in range(10)))
+    data = _data_cfg(path, holdout_fraction=0.3)
+    prompts = heldout_prompts(tiny_tokenizer, data, 3, 16, target=str(tiny_target), cache_dir=str(tmp_path))
+    assert len(prompts) == 3
+    assert all(tiny_tokenizer.decode(p).rstrip("\n").endswith("<|im_start|>assistant") for p in prompts)
 
 
 def test_pack_joins_documents_with_one_eos():
@@ -90,32 +201,3 @@ def test_pack_joins_documents_with_one_eos():
     ids, mask = pack([Document([5, 6], [False, True]), Document([7, eos], [True, True]), Document([8], [False])], eos)
     assert ids.tolist() == [5, 6, eos, 7, eos, 8, eos]  # the second document's own EOS is not doubled
     assert mask.tolist() == [False, True, True, True, True, False, False]
-
-
-def test_bad_records_are_counted_or_fail_with_file_and_line(tmp_path, tiny_tokenizer):
-    """Empty assistant turns, records with nothing to supervise and bytes that are not UTF-8: skipped and
-    counted with data.on_bad_record=skip, the first one named by file:line with fail."""
-    import json
-
-    import pytest
-
-    from dflash.data.corpus import BadRecordError, read_jsonl
-
-    good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
-    empty_turn = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]})
-    empty_text = json.dumps({"text": ""})
-    data = tmp_path / "data.jsonl"
-    data.write_bytes(
-        b"\n".join([good.encode(), empty_turn.encode(), empty_text.encode(), b'{"text": "caf\xe9"}', good.encode()])
-        + b"\n"
-    )
-    docs, skipped = read_jsonl(str(data), tiny_tokenizer, "skip")
-    assert len(docs) == 2 and skipped == 3
-    with pytest.raises(BadRecordError, match=rf"{data}:2: assistant message 1 is empty"):
-        read_jsonl(str(data), tiny_tokenizer, "fail")
-    data.write_bytes(b"\n".join([good.encode(), b'{"text": "caf\xe9"}']) + b"\n")
-    with pytest.raises(BadRecordError, match=rf"{data}:2: not UTF-8"):
-        read_jsonl(str(data), tiny_tokenizer, "fail")
-    data.write_text(good + "\n" + empty_text + "\n")
-    with pytest.raises(BadRecordError, match=rf"{data}:2: 'text' is empty"):
-        read_jsonl(str(data), tiny_tokenizer, "fail")

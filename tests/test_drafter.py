@@ -15,12 +15,12 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from dflash.config import default_target_layer_ids
 from dflash.model.blocks import (
     build_training_attention_mask,
     build_training_blocks,
     sample_anchors,
 )
+from dflash.model.build import default_target_layer_ids
 from dflash.model.drafter import DFlashDraftModel, DraftKVCache
 from dflash.model.export import check_drafter_against, export_drafter, load_drafter
 from dflash.model.target import TargetModel

@@ -1,4 +1,5 @@
-"""Documents packed into one token stream, cut into seq_len windows and served as seeded, resumable batches."""
+"""The Batch, its slicing by rank, and documents packed into one token stream cut into seq_len windows (the stdlib
+corpus): seeded, resumable batches."""
 
 from __future__ import annotations
 
@@ -8,9 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.data.corpus import Document, read_jsonl, stdlib_documents
-from dflash.data.prompts import split_heldout
-from dflash.data.regenerate import regenerated_corpus
+from dflash.data.corpus import Document
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +41,7 @@ class Batch:
     global_loss_mask: torch.Tensor | None = None  # (global bsz, S): the whole batch's mask; None = these rows
     row_start: int = 0  # first row of the global batch that these rows are
     global_tokens: int | None = None  # tokens of the whole global batch; None = num_tokens
+    lengths: torch.Tensor | None = None  # (bsz,) real tokens per row when rows are right-padded; None = all real
 
 
 def rank_slice(batch: Batch, rank: int, world_size: int) -> Batch:
@@ -52,15 +52,17 @@ def rank_slice(batch: Batch, rank: int, world_size: int) -> Batch:
         raise ValueError(f"train.batch_size={rows} is the global batch: it must divide by the {world_size} ranks")
     b = rows // world_size
     part = slice(rank * b, (rank + 1) * b)
+    lengths = None if batch.lengths is None else batch.lengths[part]
     return Batch(
         batch.input_ids[part],
         batch.loss_mask[part],
-        b * batch.input_ids.shape[1],
+        b * batch.input_ids.shape[1] if lengths is None else int(lengths.sum()),
         batch.data_pass,
         batch.index,
         global_loss_mask=batch.loss_mask,
         row_start=rank * b,
         global_tokens=batch.num_tokens,
+        lengths=lengths,
     )
 
 
@@ -110,41 +112,3 @@ class PackedBatches:
                 )
                 index += 1
             data_pass, index = data_pass + 1, 0
-
-
-def build_batches(
-    data_cfg,
-    train_cfg,
-    tokenizer,
-    block_size: int,
-    target_model=None,
-    target_path: str = "",
-    cache_dir: str | None = None,
-) -> tuple[PackedBatches, int]:
-    """The training batches for a run: (PackedBatches, number of skipped records)."""
-    skipped = 0
-    if data_cfg.name == "stdlib" and data_cfg.regenerate.enabled:
-        docs = regenerated_corpus(target_model, tokenizer, target_path, data_cfg, train_cfg.seed, cache_dir)
-    elif data_cfg.name == "stdlib":
-        docs = stdlib_documents(tokenizer, "train", data_cfg.holdout_fraction, data_cfg.max_files)
-    else:
-        docs, skipped = read_jsonl(data_cfg.path, tokenizer, data_cfg.on_bad_record)
-        docs, held = split_heldout(docs, data_cfg.holdout_fraction)
-        log.info(
-            "data=jsonl: the last %d of %d records are held out for eval prompts (data.holdout_fraction)",
-            len(held),
-            len(docs) + len(held),
-        )
-    if not docs:
-        raise ValueError(f"data={data_cfg.name}: no documents")
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    ids, mask = pack(docs, eos)
-    min_sup = data_cfg.min_supervised_tokens or 2 * block_size
-    log.info(
-        "data=%s: %d documents, %.2fM tokens (%.0f%% supervised)",
-        data_cfg.name,
-        len(docs),
-        ids.numel() / 1e6,
-        100 * mask.float().mean().item(),
-    )
-    return PackedBatches(ids, mask, train_cfg.seq_len, train_cfg.batch_size, train_cfg.seed, min_sup), skipped

@@ -7,13 +7,9 @@ from pathlib import Path
 
 import torch
 
-from dflash.data.corpus import (
-    BadRecordError,
-    Document,
-    read_jsonl,
-    read_text,
-    stdlib_files,
-)
+from dflash.data.chat_dataset import ChatData, load_chat_data
+from dflash.data.corpus import BadRecordError, read_text, stdlib_files
+from dflash.data.fingerprint import data_fingerprint
 
 
 def sample_prompts(tokenizer, texts: list[str], num_prompts: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
@@ -36,23 +32,46 @@ def sample_prompts(tokenizer, texts: list[str], num_prompts: int, prompt_len: in
     return prompts
 
 
-def split_heldout(docs: list[Document], holdout_fraction: float) -> tuple[list[Document], list[Document]]:
-    """(train, held out): the last `holdout_fraction` of the records (at least one when there are two or more)
-    are kept out of training, so eval prompts are text the drafter has not seen."""
-    if len(docs) < 2:
-        return docs, []
-    k = max(1, int(len(docs) * holdout_fraction))
-    return docs[:-k], docs[-k:]
-
-
-def heldout_prompts(tokenizer, data_cfg, num_prompts: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
-    """Eval prompts from held-out text: stdlib held-out files, or for jsonl the held-out last records."""
+def heldout_prompts(
+    tokenizer,
+    data_cfg,
+    num_prompts: int,
+    prompt_len: int,
+    seed: int = 0,
+    chat: ChatData | None = None,
+    target: str = "",
+    cache_dir: str | None = None,
+) -> list[list[int]]:
+    """Eval prompts from held-out data: stdlib held-out files, or the held-out last jsonl records (`chat`, the
+    run's rendered records; loaded from the cache when not given)."""
     if data_cfg.name == "stdlib":
         texts = [read_text(p) for p in stdlib_files("heldout", data_cfg.holdout_fraction)]
-    else:  # reads the data again: the held-out records are few, but finding them needs the record count
-        docs, _ = read_jsonl(data_cfg.path, tokenizer, "skip")
-        texts = [tokenizer.decode(d.ids) for d in split_heldout(docs, data_cfg.holdout_fraction)[1]]
-    return sample_prompts(tokenizer, texts, num_prompts, prompt_len, seed)
+        return sample_prompts(tokenizer, texts, num_prompts, prompt_len, seed)
+    if chat is None:
+        chat = load_chat_data(data_cfg, tokenizer, data_fingerprint(data_cfg, target), cache_dir)
+    return chat_prompts(chat, tokenizer, num_prompts, prompt_len, seed)
+
+
+def chat_prompts(chat: ChatData, tokenizer, num_prompts: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    """Held-out conversations cut where an assistant turn starts (the last `prompt_len` tokens before it), so
+    the drafter is evaluated on answers, as served; text records give windows of their text instead."""
+    rows = chat.heldout_rows
+    if rows.size == 0:
+        return []
+    table = chat.table.select(rows.tolist())
+    g = torch.Generator().manual_seed(seed)
+    prompts, texts = [], []
+    for i in torch.randperm(rows.size, generator=g).tolist():
+        rec = table[i]
+        starts = [s for s in rec["answer_starts"] if s >= 4]  # a few tokens of context at least
+        if rec["is_chat"] and starts:
+            s = starts[int(torch.randint(0, len(starts), (1,), generator=g))]
+            prompts.append(rec["input_ids"][max(0, s - prompt_len) : s])
+        elif not rec["is_chat"]:
+            texts.append(tokenizer.decode(rec["input_ids"]))
+        if len(prompts) >= num_prompts:
+            return prompts
+    return prompts + sample_prompts(tokenizer, texts, num_prompts - len(prompts), prompt_len, seed)
 
 
 def read_prompts_file(path: str, tokenizer) -> list[list[int]]:

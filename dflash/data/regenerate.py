@@ -13,6 +13,7 @@ import torch
 from dflash import interrupts
 from dflash.data.corpus import Document, read_text, stdlib_files
 from dflash.data.prompts import sample_prompts
+from dflash.model.generate import generate_continuations
 
 log = logging.getLogger(__name__)
 
@@ -24,31 +25,17 @@ def regenerate_documents(model, tokenizer, prompts: list[list[int]], regen_cfg, 
     from dflash.terminal import display
 
     docs: list[Document] = []
-    device = next(model.parameters()).device
     torch.manual_seed(seed)
     bs = regen_cfg.batch_size
-    sample = regen_cfg.temperature > 0
+    eos = tokenizer.eos_token_id
     with display().phase("regenerate", len(prompts)) as phase:
         for i in range(0, len(prompts), bs):
             interrupts.check("data regeneration")
-            x = torch.tensor(prompts[i : i + bs], device=device)
-            out = model.generate(
-                x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=regen_cfg.max_new_tokens,
-                do_sample=sample,
-                temperature=regen_cfg.temperature if sample else None,
-                top_p=None,
-                top_k=None,
-                pad_token_id=tokenizer.eos_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
-            for row in out.tolist():
-                gen = row[x.shape[1] :]
-                if tokenizer.eos_token_id in gen:  # keep the EOS itself: the drafter should learn where text ends
-                    gen = gen[: gen.index(tokenizer.eos_token_id) + 1]
-                docs.append(Document(row[: x.shape[1]] + gen, [False] * x.shape[1] + [True] * len(gen)))
-            phase.advance(len(x), info="prompts continued by the target")
+            batch = prompts[i : i + bs]
+            outs = generate_continuations(model, batch, regen_cfg.max_new_tokens, regen_cfg.temperature, [eos], eos)
+            for prompt, gen in zip(batch, outs):  # the EOS stays: the drafter should learn where text ends
+                docs.append(Document(prompt + gen, [False] * len(prompt) + [True] * len(gen)))
+            phase.advance(len(batch), info="prompts continued by the target")
     return docs
 
 

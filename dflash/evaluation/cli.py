@@ -106,7 +106,10 @@ def _load_prompts(args, inputs: _Inputs, tokenizer) -> list[list[int]]:
     )
     # held-out stdlib text for a bare drafter, as the embedded default trains on
     data_cfg = run_cfg.data if run_cfg is not None else DataConfig(name="stdlib")
-    return choose_prompts(eval_cfg, data_cfg, tokenizer, _seed(args, inputs))
+    heldout = {}
+    if run_cfg is not None:  # data=jsonl: the run's rendered records, from the cache it made
+        heldout = {"target": run_cfg.model.target, "cache_dir": OmegaConf.select(run_cfg, "paths.cache_dir")}
+    return choose_prompts(eval_cfg, data_cfg, tokenizer, _seed(args, inputs), **heldout)
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from dflash import interrupts
+from dflash.data.chat_dataset import ChatData
 from dflash.data.prompts import heldout_prompts, read_prompts_file
 from dflash.distributed import World
 from dflash.evaluation.decoding import (
@@ -240,13 +241,14 @@ def _details(prompts, dflash, target_only, lookup, untrained, tokenizer, setting
     return {**settings, "prompts": per_prompt}
 
 
-def choose_prompts(eval_cfg, data_cfg, tokenizer, seed: int) -> list[list[int]]:
-    """A run's eval prompts (token ids): `eval.prompts_file`, else `eval.num_prompts` windows of held-out text of
-    the run's data. The one place that chooses them; eval.json records the result."""
+def choose_prompts(eval_cfg, data_cfg, tokenizer, seed: int, **heldout) -> list[list[int]]:
+    """A run's eval prompts (token ids): `eval.prompts_file`, else `eval.num_prompts` prompts from the held-out
+    part of the run's data (`heldout`: `heldout_prompts`' chat, target and cache_dir). The one place that
+    chooses them; eval.json records the result."""
     if eval_cfg.prompts_file:
         prompts = read_prompts_file(eval_cfg.prompts_file, tokenizer)
     else:
-        prompts = heldout_prompts(tokenizer, data_cfg, eval_cfg.num_prompts, eval_cfg.prompt_len, seed)
+        prompts = heldout_prompts(tokenizer, data_cfg, eval_cfg.num_prompts, eval_cfg.prompt_len, seed, **heldout)
     return prompts[: eval_cfg.num_prompts]
 
 
@@ -260,7 +262,16 @@ class Evaluator:
     `on_result(metrics)` receives every eval's flat metrics with `step` (the run points it at its callbacks).
     """
 
-    def __init__(self, cfg, target, drafter: DFlashDraftModel, tokenizer, run: RunDir, world: World | None = None):
+    def __init__(
+        self,
+        cfg,
+        target,
+        drafter: DFlashDraftModel,
+        tokenizer,
+        run: RunDir,
+        world: World | None = None,
+        chat: ChatData | None = None,
+    ):
         self.cfg = cfg.eval
         self.block_size = cfg.model.block_size
         self.seed = cfg.train.seed
@@ -268,7 +279,9 @@ class Evaluator:
         self.target, self.drafter, self.tokenizer, self.run = target, drafter, tokenizer, run
         self.model = drafter  # the run sets the DDP/FSDP-wrapped drafter here
         main = self.world.is_main
-        self.prompts = choose_prompts(cfg.eval, cfg.data, tokenizer, self.seed) if main and self.cfg.num_prompts else []
+        heldout = {"chat": chat, "target": cfg.model.target, "cache_dir": cfg.paths.cache_dir}
+        choose = main and self.cfg.num_prompts
+        self.prompts = choose_prompts(cfg.eval, cfg.data, tokenizer, self.seed, **heldout) if choose else []
         # the drafter before training: the baseline that shows what training bought
         self.untrained = copy.deepcopy(drafter).eval() if main and self.cfg.baselines and self.prompts else None
         self.on_result = lambda metrics: None

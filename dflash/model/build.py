@@ -4,6 +4,7 @@ initialisation that the run and `python -m dflash.evaluate` share (the untrained
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -98,3 +99,37 @@ def init_drafter(
         torch.manual_seed(seed)
         drafter = DFlashDraftModel(config)
     return drafter.to(device=device, dtype=dtype)
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """z-lab's spread: one feature -> [L // 2]; else evenly from layer 1 to L - 3 (Qwen3-8B: [1, 9, 17, 25, 33])."""
+    if num_features == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    if end < start:
+        raise ConfigError(
+            f"the target has {num_target_layers} layers; the default spread needs >= 4, set model.target_layer_ids"
+        )
+    span = end - start
+    return [int(round(start + i * span / (num_features - 1))) for i in range(num_features)]
+
+
+def resolve_target_layer_ids(model_cfg: Any, num_target_layers: int) -> list[int]:
+    """The target layer ids a run uses, checked against the target's layer count."""
+    if model_cfg.target_layer_ids is None:
+        n = model_cfg.num_target_features or model_cfg.num_draft_layers
+        ids = default_target_layer_ids(num_target_layers, n)
+        if len(set(ids)) != len(ids):
+            raise ConfigError(
+                f"model.target_layer_ids=null spreads {n} features over a {num_target_layers}-layer target as {ids}, "
+                "repeating layers: set model.target_layer_ids explicitly or use fewer features"
+            )
+        return ids
+    ids = [int(i) for i in model_cfg.target_layer_ids]
+    bad = [i for i in ids if not 0 <= i < num_target_layers]
+    if bad:
+        raise ConfigError(
+            f"model.target_layer_ids={ids} is invalid: ids {bad} are outside the target's layers "
+            f"0..{num_target_layers - 1}"
+        )
+    return ids

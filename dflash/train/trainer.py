@@ -178,6 +178,7 @@ class DrafterTrainer:
         self._acc = BlockMetricsAccumulator()
         self._sums = {"train/loss": 0.0, "train/loss_ce": 0.0, "train/loss_kl": 0.0, "train/grad_norm": 0.0}
         self._n = 0
+        self._tokens_and_slots = [0, 0]  # real tokens and batch slots (padding included) since the last window
 
     def metrics(self) -> dict[str, float]:
         """Training metrics averaged over the steps since the last call (thread-safe), plus counters."""
@@ -186,6 +187,9 @@ class DrafterTrainer:
             if self._n:
                 out.update({k: v / self._n for k, v in self._sums.items()})
                 out.update(self._acc.compute())
+                tokens, slots = self._tokens_and_slots
+                if slots:  # what batching costs: the share of the target's and drafter's work spent on padding
+                    out["perf/pad_fraction"] = 1.0 - tokens / slots
                 self._reset_window()
                 self.last_metrics = {k: v for k, v in out.items() if k.startswith("train/")}
             else:
@@ -299,7 +303,11 @@ class DrafterTrainer:
             log.warning("step %d: non-finite loss or gradient, step skipped (%d in a row)", step + 1, self.bad_in_row)
         with self._lock:
             self.step += 1
-            self.tokens += item.global_tokens if item.global_tokens is not None else item.num_tokens
+            step_tokens = item.global_tokens if item.global_tokens is not None else item.num_tokens
+            self.tokens += step_tokens
+            whole = item.loss_mask if item.global_loss_mask is None else item.global_loss_mask
+            self._tokens_and_slots[0] += step_tokens
+            self._tokens_and_slots[1] += whole.numel()
             self.next_data = (item.data_pass, item.index + 1)
             if finite:
                 self._sums["train/loss"] += stats["loss"]

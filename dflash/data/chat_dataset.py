@@ -1,0 +1,166 @@
+"""`data=jsonl` as a Hugging Face `datasets` table: JSONL lines -> rendered conversations (token ids, loss mask,
+answer starts), tokenised once by `map(num_proc=data.num_proc)` into memory-mapped Arrow files under the cache
+dir and reused by every later run and every rank. The cache is keyed by the data files' fingerprint, the
+tokenizer's files and the rendering version, so any change re-renders.
+
+Bad records are kept as rows with an `error` ("file:line: why"), so `data.on_bad_record=fail` names the first
+one, and `skip` counts them, without a second pass over the data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dflash.data.chat import BadRecordError, end_of_turn_marker, parse_line, render_record
+from dflash.data.corpus import jsonl_files
+
+log = logging.getLogger(__name__)
+
+RENDER_VERSION = 1  # bump when rendering changes, so caches made by older code are not reused
+_MIN_RECORDS_PER_PROC = 2_000  # below this, starting worker processes costs more than it saves
+
+
+def _read_lines(files: list[str], fingerprint: str):
+    """Raw JSONL lines with their `file:line`. `fingerprint` only keys the cache (the files' content)."""
+    del fingerprint
+    for f in files:
+        with open(f, "rb") as fh:
+            for lineno, raw in enumerate(fh, start=1):
+                if raw.strip():
+                    yield {"raw": raw.rstrip(b"\r\n"), "where": f"{f}:{lineno}"}
+
+
+def _render_batch(batch: dict, tokenizer, eot: str, template_kwargs: dict) -> dict:
+    out: dict[str, list] = {"input_ids": [], "loss_mask": [], "answer_starts": [], "length": []}
+    out.update({"first_supervised": [], "is_chat": [], "where": [], "error": []})
+    for raw, where in zip(batch["raw"], batch["where"]):
+        try:
+            r = render_record(parse_line(raw, where), tokenizer, where, eot, **template_kwargs)
+            error = ""
+        except BadRecordError as e:
+            r, error = None, str(e)
+        mask = np.asarray(r.loss_mask if r else [], dtype=np.int8)
+        supervised_after_first = np.flatnonzero(mask[1:]) + 1
+        out["input_ids"].append(r.ids if r else [])
+        out["loss_mask"].append(mask)
+        out["answer_starts"].append(r.answer_starts if r else [])
+        out["length"].append(len(mask))
+        out["first_supervised"].append(int(supervised_after_first[0]) if supervised_after_first.size else -1)
+        out["is_chat"].append(bool(r and r.is_chat))
+        out["where"].append(where)
+        out["error"].append(error)
+    return out
+
+
+def _features():
+    from datasets import Features, Sequence, Value
+
+    return Features(
+        {
+            "input_ids": Sequence(Value("int32")),
+            "loss_mask": Sequence(Value("int8")),
+            "answer_starts": Sequence(Value("int32")),
+            "length": Value("int32"),
+            "first_supervised": Value("int32"),  # first supervised token after the first (-1: none)
+            "is_chat": Value("bool"),
+            "where": Value("string"),
+            "error": Value("string"),
+        }
+    )
+
+
+def cache_key(fingerprint: dict, template_kwargs: dict) -> str:
+    """The rendered table's identity: data files, tokenizer files, template arguments, rendering version."""
+    src = {
+        "files": fingerprint["files"],
+        "tokenizer": fingerprint["tokenizer"],
+        "template": template_kwargs,
+        "v": RENDER_VERSION,
+    }
+    return hashlib.sha256(json.dumps(src, sort_keys=True).encode()).hexdigest()[:32]
+
+
+@dataclass
+class ChatData:
+    """The rendered records: the Arrow table, its per-row numbers, and which rows train and which are held out."""
+
+    table: object  # datasets.Dataset
+    lengths: np.ndarray  # tokens per row (all rows)
+    first_supervised: np.ndarray
+    train_rows: np.ndarray  # usable records, in file order, minus the held-out tail
+    heldout_rows: np.ndarray
+    skipped: int
+    key: str
+
+    def rows(self, indices) -> tuple[list[list[int]], list[list[int]]]:
+        part = self.table[[int(i) for i in indices]]
+        return part["input_ids"], part["loss_mask"]
+
+
+_loaded: dict[str, ChatData] = {}  # one table per process: the run's batches and eval prompts share it
+
+
+def load_chat_data(data_cfg, tokenizer, fingerprint: dict, cache_dir: str | None) -> ChatData:
+    """Render (or load from the cache) every record of `data.path`; split off the held-out tail."""
+    template_kwargs = dict(data_cfg.get("chat_template_kwargs") or {})
+    key = cache_key(fingerprint, template_kwargs)
+    if key in _loaded:
+        return _loaded[key]
+    table = _rendered_table(data_cfg, tokenizer, key, template_kwargs, cache_dir)
+    errors = np.asarray(table.data.column("error").to_numpy(zero_copy_only=False))
+    bad = np.flatnonzero(errors != "")
+    if bad.size and data_cfg.on_bad_record == "fail":
+        raise BadRecordError(f"{errors[bad[0]]} (data.on_bad_record=skip skips and counts bad records)")
+    for i in bad[:5]:
+        log.warning("skipping bad record %s", errors[i])
+    if bad.size:
+        log.warning("skipped %d bad records of %d (data.on_bad_record=skip)", bad.size, len(errors))
+    good = np.flatnonzero(errors == "")
+    if good.size == 0:
+        raise ValueError(f"data.path={data_cfg.path!r}: no usable record")
+    held = max(1, int(good.size * data_cfg.holdout_fraction)) if good.size >= 2 and data_cfg.holdout_fraction else 0
+    data = ChatData(
+        table=table,
+        lengths=table.data.column("length").to_numpy(),
+        first_supervised=table.data.column("first_supervised").to_numpy(),
+        train_rows=good[: good.size - held],
+        heldout_rows=good[good.size - held :],
+        skipped=int(bad.size),
+        key=key,
+    )
+    _loaded[key] = data
+    return data
+
+
+def _rendered_table(data_cfg, tokenizer, key: str, template_kwargs: dict, cache_dir: str | None):
+    import datasets
+
+    files = [str(p.resolve()) for p in jsonl_files(data_cfg.path)]
+    where = str(Path(cache_dir or "outputs/.cache").expanduser() / "datasets")
+    lines = datasets.Dataset.from_generator(
+        _read_lines,
+        gen_kwargs={"files": files, "fingerprint": key},
+        cache_dir=where,
+        fingerprint=f"dflash-lines-{key}",
+    )
+    procs = data_cfg.get("num_proc") or min(8, os.cpu_count() or 1)
+    procs = max(1, min(procs, len(lines) // _MIN_RECORDS_PER_PROC))
+    eot = end_of_turn_marker(tokenizer, **template_kwargs) if tokenizer.chat_template else ""
+    return lines.map(
+        _render_batch,
+        batched=True,
+        batch_size=500,
+        remove_columns=lines.column_names,
+        fn_kwargs={"tokenizer": tokenizer, "eot": eot, "template_kwargs": template_kwargs},
+        num_proc=procs if procs > 1 else None,
+        features=_features(),
+        new_fingerprint=f"dflash-rendered-{key}",
+        desc=f"rendering {len(lines)} records ({procs} processes)",
+    )
