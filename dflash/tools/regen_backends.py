@@ -1,0 +1,133 @@
+"""Who writes the new assistant turns: the target in this process (`hf`) or any OpenAI-compatible server
+(`openai`: vLLM, SGLang, `transformers serve`). A backend maps a batch of conversations (each ending before
+an assistant turn) to a reply per conversation, or the exception that request ended with."""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationSettings:
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    thinking: str = "auto"  # on | off | auto (the template's default): Qwen3-style `enable_thinking`
+    seed: int = 0
+    template_kwargs: dict = field(default_factory=dict)
+
+    def chat_template_kwargs(self) -> dict:
+        kwargs = dict(self.template_kwargs)
+        if self.thinking != "auto":
+            kwargs["enable_thinking"] = self.thinking == "on"
+        return kwargs
+
+
+class HFBackend:
+    """Batched `generate` with the target on any device; conversations rendered by its chat template."""
+
+    def __init__(self, target: str, settings: GenerationSettings, device: str = "auto", dtype: str = "bfloat16"):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from dflash.data.chat import end_of_turn_marker
+        from dflash.model.target import resolve_device
+
+        self.settings = settings
+        self.tokenizer = AutoTokenizer.from_pretrained(target)
+        dev = resolve_device(device)
+        dtype = torch.float32 if dev.type == "cpu" else getattr(torch, dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(dev).eval()
+        eot = end_of_turn_marker(self.tokenizer, **settings.chat_template_kwargs())
+        eot_id = self.tokenizer.convert_tokens_to_ids(eot) if eot else None
+        self.stop_ids = [i for i in (eot_id, self.tokenizer.eos_token_id) if isinstance(i, int) and i >= 0]
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self.name = target
+
+    def complete(self, conversations: list[list[dict]]) -> list[str | BaseException]:
+        import torch
+
+        from dflash.model.generate import generate_continuations
+
+        s = self.settings
+        prompts = [
+            self.tokenizer.apply_chat_template(
+                c, tokenize=False, add_generation_prompt=True, **s.chat_template_kwargs()
+            )
+            for c in conversations
+        ]
+        ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        torch.manual_seed(s.seed)
+        outs = generate_continuations(self.model, ids, s.max_new_tokens, s.temperature, self.stop_ids, self.pad_id)
+        replies: list[str | BaseException] = []
+        for out in outs:
+            if out and out[-1] in self.stop_ids:
+                out = out[:-1]  # the end-of-turn token is the template's, not the content's
+            text = self.tokenizer.decode(out, skip_special_tokens=False)
+            replies.append(text if text.strip() else ValueError("the target's reply is empty"))
+        return replies
+
+
+class OpenAIBackend:
+    """Concurrent chat-completion requests; the client retries connection errors, 429 and 5xx with backoff."""
+
+    def __init__(
+        self,
+        base_url: str,
+        settings: GenerationSettings,
+        model: str | None = None,
+        concurrency: int = 16,
+        max_retries: int = 3,
+        timeout_s: float = 600.0,
+    ):
+        from openai import OpenAI
+
+        self.settings = settings
+        self.client = OpenAI(
+            base_url=base_url,
+            api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
+            max_retries=max_retries,
+            timeout=timeout_s,
+        )
+        self.name = model or self._served_model()
+        self.concurrency = concurrency
+
+    def _served_model(self) -> str:
+        models = [m.id for m in self.client.models.list()]
+        if not models:
+            raise RuntimeError(f"{self.client.base_url} serves no model; pass --model")
+        return models[0]
+
+    def _one(self, conversation: list[dict]) -> str:
+        s = self.settings
+        extra = {"chat_template_kwargs": s.chat_template_kwargs()} if s.chat_template_kwargs() else None
+        response = self.client.chat.completions.create(
+            model=self.name,
+            messages=conversation,
+            max_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            seed=s.seed,
+            extra_body=extra,
+        )
+        message = response.choices[0].message
+        content = message.content or ""
+        reasoning = getattr(message, "reasoning_content", None) or (message.model_extra or {}).get("reasoning_content")
+        if reasoning:  # servers with a reasoning parser return the think block apart from the answer
+            content = f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}"
+        if not content.strip():
+            raise ValueError("the server returned an empty reply")
+        return content
+
+    def complete(self, conversations: list[list[dict]]) -> list[str | BaseException]:
+        def safe(c):
+            try:
+                return self._one(c)
+            except Exception as e:  # noqa: BLE001 - one request's failure is that record's, not the job's
+                return e
+
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            return list(pool.map(safe, conversations))

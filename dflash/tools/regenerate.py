@@ -1,0 +1,233 @@
+"""`python -m dflash.regenerate IN OUT --backend hf|openai ...`: rewrite every assistant turn of a chat dataset
+with the target, given the conversation so far (the paper's and every peer's recipe: the drafter learns the
+target's own answers).
+
+IN: JSONL as `data=jsonl` reads it (`messages`, ShareGPT `conversations`; `text` records are copied as they
+are). OUT: `{"messages": [...], "source_index": i}` per record, a file `data=jsonl` reads directly.
+Resumable: records already in OUT are skipped, so a rerun after a crash (or after failures) does only the
+rest; once every record is done, OUT is put in IN's order. Records are done in chunks, turn by turn across
+the chunk (turn k of every record in one batch for `hf`, or concurrent requests for `openai`). A record whose
+request fails is counted and listed in OUT.failures.jsonl, never fatal for the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash.data.chat import parse_line, record_messages
+from dflash.data.corpus import BadRecordError
+
+log = logging.getLogger("dflash.regenerate")
+
+
+@dataclass
+class Outcome:
+    total: int
+    done_before: int
+    completed: int
+    failed: int
+    out: Path
+
+
+def failures_path(out: Path) -> Path:
+    return out.with_name(out.name + ".failures.jsonl")
+
+
+def read_inputs(path: Path) -> list[tuple[str, dict | None, str]]:
+    """Every non-empty line of IN as (where, record or None, error)."""
+    rows = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = parse_line(raw.rstrip(b"\r\n"), where)
+                record_messages(record, where)  # validated now: a bad record fails alone, before any request
+                rows.append((where, record, ""))
+            except BadRecordError as e:
+                rows.append((where, None, str(e)))
+    return rows
+
+
+def done_indices(out: Path) -> set[int]:
+    """Source indices already in OUT. A torn last line (a crash mid-write) is cut off first."""
+    if not out.exists():
+        return set()
+    data = out.read_bytes()
+    lines = data.split(b"\n")
+    keep, done = [], set()
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            done.add(int(json.loads(line)["source_index"]))
+            keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            log.warning("OUT %s: dropping an incomplete line (a crash mid-write): %.60r", out, line)
+    if len(keep) != sum(1 for line in lines if line.strip()):
+        _atomic_write(out, b"".join(line + b"\n" for line in keep))
+    return done
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def regenerate_record_turns(backend, records: list[dict]) -> list[dict | BaseException]:
+    """New assistant turns for a chunk of records, turn k of all records in one backend call."""
+    convs = [record_messages(r, "record") for r in records]
+    results: list[dict | BaseException] = [None] * len(records)  # type: ignore[list-item]
+    new = [[] if c is not None else None for c in convs]
+    pos = [0] * len(records)
+    while True:
+        asking = []  # records waiting for their next assistant turn
+        for i, c in enumerate(convs):
+            if c is None or isinstance(results[i], BaseException) or results[i] is not None:
+                continue
+            while pos[i] < len(c) and c[pos[i]]["role"] != "assistant":
+                new[i].append(c[pos[i]])
+                pos[i] += 1
+            if pos[i] == len(c):
+                results[i] = {"messages": new[i]}
+            else:
+                asking.append(i)
+        if not asking:
+            break
+        replies = backend.complete([new[i] for i in asking])
+        for i, reply in zip(asking, replies):
+            if isinstance(reply, BaseException):
+                results[i] = reply
+            else:
+                new[i].append({"role": "assistant", "content": reply})
+                pos[i] += 1
+    for i, r in enumerate(records):
+        if convs[i] is None:  # a text record: nothing to regenerate
+            results[i] = dict(r)
+    return results
+
+
+def regenerate_file(in_path: Path, out: Path, backend, chunk_size: int) -> Outcome:
+    from dflash.terminal import display
+
+    inputs = read_inputs(in_path)
+    done = done_indices(out)
+    todo = [i for i in range(len(inputs)) if i not in done]
+    failures = [{"source_index": i, "where": inputs[i][0], "error": inputs[i][2]} for i in todo if inputs[i][1] is None]
+    todo = [i for i in todo if inputs[i][1] is not None]
+    completed, t0 = 0, time.monotonic()
+    log.info("%s: %d records, %d already in %s, %d to do", in_path, len(inputs), len(done), out, len(todo))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "ab") as sink, display().phase("regenerate", len(todo)) as phase:
+        for start in range(0, len(todo), chunk_size):
+            chunk = todo[start : start + chunk_size]
+            results = regenerate_record_turns(backend, [inputs[i][1] for i in chunk])
+            lines = []
+            for i, result in zip(chunk, results):
+                if isinstance(result, BaseException):
+                    failures.append({"source_index": i, "where": inputs[i][0], "error": _describe(result)})
+                else:
+                    lines.append(json.dumps({**result, "source_index": i}, ensure_ascii=False).encode() + b"\n")
+            sink.write(b"".join(lines))
+            sink.flush()
+            os.fsync(sink.fileno())  # a chunk is on disk before the next starts: a crash loses one chunk at most
+            completed += len(lines)
+            rate = (start + len(chunk)) / max(time.monotonic() - t0, 1e-9)
+            phase.advance(len(chunk), info=f"{rate:.1f} records/s, {len(failures)} failed")
+    _write_failures(out, failures)
+    if not failures and len(done) + completed == len(inputs):
+        _sort_by_source(out)
+    return Outcome(len(inputs), len(done), completed, len(failures), out)
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"[:500]
+
+
+def _write_failures(out: Path, failures: list[dict]) -> None:
+    path = failures_path(out)
+    if failures:
+        _atomic_write(path, b"".join(json.dumps(f).encode() + b"\n" for f in failures))
+    elif path.exists():
+        path.unlink()  # all done: an old list would mislead
+
+
+def _sort_by_source(out: Path) -> None:
+    """OUT in IN's order once complete (retried records were appended at the end): runs train reproducibly."""
+    lines = [line for line in out.read_bytes().split(b"\n") if line.strip()]
+    keyed = sorted(lines, key=lambda line: json.loads(line)["source_index"])
+    if keyed != lines:
+        _atomic_write(out, b"".join(line + b"\n" for line in keyed))
+
+
+def build_backend(args: argparse.Namespace):
+    from dflash.tools.regen_backends import GenerationSettings, HFBackend, OpenAIBackend
+
+    settings = GenerationSettings(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        thinking=args.thinking,
+        seed=args.seed,
+        template_kwargs=json.loads(args.chat_template_kwargs),
+    )
+    if args.backend == "hf":
+        if not args.target:
+            raise SystemExit("--backend hf needs --target (a model directory or hub id)")
+        return HFBackend(args.target, settings, args.device, args.dtype)
+    if not args.base_url:
+        raise SystemExit("--backend openai needs --base-url (e.g. http://127.0.0.1:8000/v1)")
+    return OpenAIBackend(args.base_url, settings, args.model, args.concurrency, args.max_retries, args.timeout_s)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dflash.regenerate", description=__doc__.split("\n\n")[0])
+    p.add_argument("input", type=Path, help="chat JSONL (messages or ShareGPT conversations)")
+    p.add_argument("output", type=Path, help="regenerated JSONL (resumed when it exists)")
+    p.add_argument("--backend", choices=("hf", "openai"), default="hf")
+    p.add_argument("--target", help="hf: the target model (directory or hub id)")
+    p.add_argument("--device", default="auto", help="hf: cuda, cuda:1, cpu or auto")
+    p.add_argument("--dtype", default="bfloat16", help="hf on GPU: bfloat16 or float16 (CPU uses float32)")
+    p.add_argument("--base-url", help="openai: the server's /v1 URL")
+    p.add_argument("--model", help="openai: the served model's name (default: the first one the server lists)")
+    p.add_argument("--concurrency", type=int, default=16, help="openai: requests in flight")
+    p.add_argument("--max-retries", type=int, default=3, help="openai: retries per request, with backoff")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="openai: seconds per request")
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (deterministic)")
+    p.add_argument("--thinking", choices=("on", "off", "auto"), default="auto", help="Qwen3-style enable_thinking")
+    p.add_argument("--chat-template-kwargs", default="{}", help="JSON, passed to the chat template")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chunk-size", type=int, default=None, help="records per chunk (default: 64 hf, 8x concurrency)")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from dflash.terminal import install_logging
+
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_logging()  # log lines scroll above the progress bar on a terminal
+    if not args.input.is_file():
+        raise SystemExit(f"{args.input}: no such file")
+    backend = build_backend(args)
+    chunk = args.chunk_size or (64 if args.backend == "hf" else 8 * args.concurrency)
+    outcome = regenerate_file(args.input, args.output, backend, chunk)
+    log.info(
+        "regenerated %d records with %s (%d were done before, %d failed%s) -> %s",
+        outcome.completed,
+        backend.name,
+        outcome.done_before,
+        outcome.failed,
+        f": see {failures_path(outcome.out)}; rerun the same command to retry them" if outcome.failed else "",
+        outcome.out,
+    )
+    return 0
