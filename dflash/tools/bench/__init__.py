@@ -13,6 +13,8 @@ loss: the fused chunked loss (`dflash_loss`) against full-logits autograd (`dfla
 soak: a long run of the real job (async pipeline, evals, checkpoints, W&B offline) watching its RSS;
       see dflash/tools/bench/soak.py.
 dist: 1 against 2 data-parallel processes with the same work per process; see dflash/tools/bench/dist.py.
+data: data=jsonl preprocessing of a synthetic chat file (first run, second run from the cache, peak RSS) at
+      several sizes; see dflash/tools/bench/data.py.
 pipeline: pipeline=async against pipeline=sync on the same config with the real stages; see
       dflash/tools/bench/pipeline.py for what is measured and its options.
 """
@@ -28,6 +30,7 @@ BENCHES = {
     "pipeline": "dflash.tools.bench.pipeline",
     "dist": "dflash.tools.bench.dist",
     "soak": "dflash.tools.bench.soak",
+    "data": "dflash.tools.bench.data",
 }
 
 
