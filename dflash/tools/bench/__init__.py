@@ -15,6 +15,8 @@ soak: a long run of the real job (async pipeline, evals, checkpoints, W&B offlin
 dist: 1 against 2 data-parallel processes with the same work per process; see dflash/tools/bench/dist.py.
 data: data=jsonl preprocessing of a synthetic chat file (first run, second run from the cache, peak RSS) at
       several sizes; see dflash/tools/bench/data.py.
+transport: the target -> drafter feature transport between two processes (p2p) against the in-process queue;
+      see dflash/tools/bench/transport.py.
 pipeline: pipeline=async against pipeline=sync on the same config with the real stages; see
       dflash/tools/bench/pipeline.py for what is measured and its options.
 """
@@ -31,6 +33,7 @@ BENCHES = {
     "dist": "dflash.tools.bench.dist",
     "soak": "dflash.tools.bench.soak",
     "data": "dflash.tools.bench.data",
+    "transport": "dflash.tools.bench.transport",
 }
 
 

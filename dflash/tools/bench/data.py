@@ -41,7 +41,7 @@ def write_chat_file(path: Path, conversations: int, turns: int, seed: int = 0) -
                 start = rng.randrange(len(lines) - 40)
                 answer = "\n".join(lines[start : start + rng.randint(3, 20)])
                 msgs.append({"role": "user", "content": f"Conversation {i}, question {t}: explain this code."})
-                msgs.append({"role": "assistant", "content": answer or "pass"})
+                msgs.append({"role": "assistant", "content": answer if answer.strip() else "pass"})
             f.write(json.dumps({"messages": msgs}) + "\n")
     return path.stat().st_size
 
