@@ -209,6 +209,8 @@ class ParallelConfig:
     init_timeout_s: float = 300.0  # joining the process group (ranks may wait for each other's preprocessing)
     timeout_s: float = 1800.0  # any later collective; long enough for rank 0's evals while the others wait
     mixed_precision: bool = True  # fsdp on CUDA: bf16 compute, fp32 gradient reduction
+    target_ranks: int = 0  # ddp under torchrun: the last K ranks only run the target and send features
+    items_in_flight: int = 2  # target_ranks: items per target -> drafter link not yet taken by the drafter
 
 
 @dataclass
@@ -219,6 +221,7 @@ class DebugConfig:
     fail_target_at_batch: int | None = None  # raise in the target stage at this batch
     crash_at_step: int | None = None  # SIGKILL the whole process after this step (a node crash)
     fail_rank: int | None = None  # with torchrun: inject the faults above on this rank only (null = every rank)
+    slow_step_s: float | None = None  # sleep this long in every drafter step (a slow drafter, for back-pressure)
 
 
 @dataclass
@@ -372,6 +375,10 @@ def validate(cfg: DictConfig | Config) -> None:
     _one_of("parallel.backend", par.backend, BACKENDS)
     _check(par.init_timeout_s > 0, "parallel.init_timeout_s", par.init_timeout_s, "must be > 0")
     _check(par.timeout_s > 0, "parallel.timeout_s", par.timeout_s, "must be > 0")
+    _check(par.target_ranks >= 0, "parallel.target_ranks", par.target_ranks, "must be >= 0")
+    _check(par.items_in_flight >= 1, "parallel.items_in_flight", par.items_in_flight, "must be >= 1")
+    if par.target_ranks:
+        _check(par.name == "ddp", "parallel.target_ranks", par.target_ranks, "needs parallel=ddp (fsdp: not yet)")
 
     e = c.eval
     _check(e.every_steps >= 0, "eval.every_steps", e.every_steps, "must be >= 0 (0 = final eval only)")

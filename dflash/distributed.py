@@ -96,6 +96,11 @@ class World:
     backend: str | None = None
     hosts: list[str] = field(default_factory=lambda: [socket.gethostname()])
     mesh: object = None  # torch DeviceMesh over all ranks (ddp/fsdp)
+    # parallel.target_ranks=K: the last K processes only run the target ("target" role); `size` and `group`
+    # are the drafter ranks' (0..size-1, the same global ranks), so rank 0 still writes the run
+    role: str = "drafter"
+    target_ranks: int = 0
+    group: object = None  # the drafter ranks' process group (None: all processes)
 
     @property
     def distributed(self) -> bool:
@@ -104,6 +109,18 @@ class World:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def is_target(self) -> bool:
+        return self.role == "target"
+
+    def target_rank_of(self, drafter_rank: int) -> int:
+        """The global rank of the target process that feeds `drafter_rank` (target_ranks > 0)."""
+        return self.size + drafter_rank % self.target_ranks
+
+    def drafters_of(self, target_rank: int) -> list[int]:
+        """The drafter ranks a target process feeds."""
+        return [d for d in range(self.size) if self.target_rank_of(d) == target_rank]
 
     def describe(self) -> dict:
         """What run.json records about the world."""
@@ -114,6 +131,7 @@ class World:
             "device": str(self.device),
             "nodes": len(set(self.hosts)),
             "hosts": sorted(set(self.hosts)),
+            "target_ranks": self.target_ranks,
         }
 
     # -- collectives every rank reaches in the same order ------------------------------------------------
@@ -123,7 +141,7 @@ class World:
         if not self.distributed or self.size == 1:
             return values
         out = values.detach().to(self.device, torch.float64 if self.device.type == "cpu" else torch.float32)
-        dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group)
         return out.to(values.device, values.dtype)
 
     def agree(self, flag: bool) -> bool:
@@ -134,11 +152,24 @@ class World:
         if not self.distributed or self.size == 1:
             return obj
         box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def broadcast_to_all(self, obj):
+        """From rank 0 to every process, target ranks included."""
+        if not self.distributed or dist.get_world_size() == 1:
+            return obj
+        box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def barrier(self) -> None:
         if self.distributed and self.size > 1:
+            dist.barrier(group=self.group)
+
+    def barrier_all(self) -> None:
+        """Every process, target ranks included (no side leaves while the other still uses a link)."""
+        if self.distributed and dist.get_world_size() > 1:
             dist.barrier()
 
     def set_timeout(self, seconds: float) -> None:
@@ -148,21 +179,24 @@ class World:
             from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout
 
             _set_pg_timeout(dt.timedelta(seconds=seconds), _get_default_group())
+            if self.group is not None:
+                _set_pg_timeout(dt.timedelta(seconds=seconds), self.group)
 
     def main_first(self, build):
-        """`build()` on rank 0 first (e.g. the one writer of a cache), then on the others; a failure on rank 0 is
-        raised on every rank instead of leaving them waiting (they wait up to the current collective timeout)."""
-        if not self.distributed or self.size == 1:
+        """`build()` on rank 0 first (e.g. the one writer of a cache), then on every other process (target ranks
+        too); a failure on rank 0 is raised everywhere instead of leaving the others waiting (they wait up to
+        the current collective timeout)."""
+        if not self.distributed or dist.get_world_size() == 1:
             return build()
         if self.is_main:
             try:
                 result = build()
             except Exception as e:
-                self.broadcast_object(f"{type(e).__name__}: {e}")
+                self.broadcast_to_all(f"{type(e).__name__}: {e}")
                 raise
-            self.broadcast_object(None)
+            self.broadcast_to_all(None)
             return result
-        failure = self.broadcast_object(None)
+        failure = self.broadcast_to_all(None)
         if failure:
             raise RuntimeError(f"rank 0 failed first: {failure}")
         return build()
@@ -211,9 +245,19 @@ def init_world(parallel_cfg, device_name: str = "auto") -> World:
         device = torch.device("cuda", local_rank)
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (size,), mesh_dim_names=("dp",))
     hosts: list = [None] * size
     dist.all_gather_object(hosts, socket.gethostname())
+    k = getattr(parallel_cfg, "target_ranks", 0) or 0
+    if k:
+        if size - k < 1:
+            raise ConfigError(f"parallel.target_ranks={k} leaves no drafter rank in a job of {size} processes")
+        drafters = size - k
+        group = dist.new_group(list(range(drafters)))  # every process takes part in making it
+        role = "target" if rank >= drafters else "drafter"
+        return World(
+            parallel_cfg.name, rank, local_rank, drafters, device, dist.get_backend(), hosts, None, role, k, group
+        )
+    mesh = init_device_mesh(device.type, (size,), mesh_dim_names=("dp",))
     return World(parallel_cfg.name, rank, local_rank, size, device, dist.get_backend(), hosts, mesh)
 
 

@@ -7,12 +7,17 @@ in the run directory is touched.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.config import ConfigError
-from dflash.rundir import CONFIG_FILE
+from dflash.data.fingerprint import differences
+from dflash.distributed import World
+from dflash.rundir import CONFIG_FILE, RunDir
+
+log = logging.getLogger(__name__)
 
 # Keys a resume may not change: the model (the checkpoint's weights fit only it), and the data stream (the
 # checkpoint's data position counts batches of this stream). Groups are refused by name too (`model=...`).
@@ -93,3 +98,23 @@ def resume_config(cfg: DictConfig, job_dir: Path, overrides: list[str]) -> DictC
         cfg.resume_accept_data_change
     )
     return merged
+
+
+def check_data_unchanged(cfg: DictConfig, run: RunDir, world: World, ckpt: Path, meta: dict, current: dict) -> None:
+    """Refuse to resume into data that changed since the checkpoint (its data position would point into other
+    batches), unless this command accepts it; an accepted change is recorded in run.json."""
+    recorded = meta.get("data_fingerprint")
+    if not recorded:
+        return  # a checkpoint from before fingerprints were recorded
+    changes = differences(recorded, current)
+    if not changes:
+        return
+    if not cfg.resume_accept_data_change:
+        raise ConfigError(
+            f"resume: the training data changed since checkpoint {ckpt.name}: {'; '.join(changes)}. Its data "
+            "position would continue in other data; start a new run, or resume with "
+            "resume_accept_data_change=true to continue anyway (recorded in run.json)"
+        )
+    log.warning("resume: continuing although the training data changed: %s", "; ".join(changes))
+    if world.is_main:
+        run.add_run_info("accepted_data_change", changes, resumed=True)

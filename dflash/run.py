@@ -25,15 +25,16 @@ from dflash import interrupts
 from dflash.config import ConfigError, validate
 from dflash.data.batches import rank_batches
 from dflash.data.corpus import jsonl_files, load_tokenizer
-from dflash.data.fingerprint import data_fingerprint, differences
+from dflash.data.fingerprint import data_fingerprint
 from dflash.data.training_data import TrainingData, build_training_data
+from dflash.disaggregated import FeatureSource, serve_target
 from dflash.distributed import World, init_world, launch_rank
 from dflash.evaluation.evaluator import Evaluator
 from dflash.job_info import JobInfo, hydra_job_info
 from dflash.model.build import build_drafter_config, init_drafter, resolve_mask_token_id, resolve_target_layer_ids
 from dflash.model.export import export_drafter
 from dflash.model.target import DTYPES, TargetModel, load_target_config, resolve_device
-from dflash.resume import resume_config
+from dflash.resume import check_data_unchanged, resume_config
 from dflash.rundir import RunDir, StatusFile, cpu_model
 from dflash.secrets import redact
 from dflash.terminal import display, install_logging, uninstall_logging
@@ -161,18 +162,23 @@ def train(
 ) -> TrainResult:
     """Build, resume, run, finish."""
     stop, world = stop or threading.Event(), world or World()
+    if world.is_target:  # parallel.target_ranks: this process only feeds drafter ranks
+        serve_target(cfg, world, RunDir(run_dir))
+        return TrainResult("completed", {})
     t_start = time.time()
     torch.manual_seed(cfg.train.seed)
     run = RunDir(run_dir)
     job = build_job(cfg, run, world)
     fingerprint = job.checkpoints.data_fingerprint
-    job.checkpoints.check_before_resume = lambda ckpt, meta: _check_data_unchanged(
+    job.checkpoints.check_before_resume = lambda ckpt, meta: check_data_unchanged(
         cfg, run, world, ckpt, meta, fingerprint
     )
     if world.is_main:
         run.add_run_info("data_fingerprint", fingerprint, resumed=bool(cfg.resume))
     if cfg.resume and job.checkpoints.resume(job.trainer) is not None and world.is_main:
         run.truncate_metrics(job.trainer.step)  # the resumed run appends without duplicate steps
+    if world.target_ranks:
+        world.broadcast_to_all(job.trainer.next_data)  # where the target ranks start
 
     callbacks = build_callbacks(cfg, run_dir, job.trainer.total_steps) if world.is_main else CallbackList()
     job.evaluator.on_result = callbacks.on_eval
@@ -236,26 +242,6 @@ def _final_eval(job: Job, drafter, stop: threading.Event, summary: dict, outcome
         outcome.reason = (
             "stopped by signal after training; not done: the final eval (python -m dflash.evaluate RUN_DIR runs it)"
         )
-
-
-def _check_data_unchanged(cfg: DictConfig, run: RunDir, world: World, ckpt: Path, meta: dict, current: dict) -> None:
-    """Refuse to resume into data that changed since the checkpoint (its data position would point into other
-    batches), unless this command accepts it; an accepted change is recorded in run.json."""
-    recorded = meta.get("data_fingerprint")
-    if not recorded:
-        return  # a checkpoint from before fingerprints were recorded
-    changes = differences(recorded, current)
-    if not changes:
-        return
-    if not cfg.resume_accept_data_change:
-        raise ConfigError(
-            f"resume: the training data changed since checkpoint {ckpt.name}: {'; '.join(changes)}. Its data "
-            "position would continue in other data; start a new run, or resume with "
-            "resume_accept_data_change=true to continue anyway (recorded in run.json)"
-        )
-    log.warning("resume: continuing although the training data changed: %s", "; ".join(changes))
-    if world.is_main:
-        run.add_run_info("accepted_data_change", changes, resumed=True)
 
 
 def _write_report(run: RunDir) -> None:
@@ -333,13 +319,19 @@ def run_pipeline(cfg: DictConfig, job: Job, stop: threading.Event, on_tick) -> s
     every way out (lose at most the current step), unless a drafter thread may still be changing the weights
     or, under data parallelism, the run failed (ranks out of step cannot save together)."""
     pipeline = None
+    world = job.world
+    features = FeatureSource(cfg, world, job.device) if world.target_ranks else None
     try:
-        world = job.world
         if world.distributed:  # a stop is agreed by all ranks at a step boundary (the trainer), never one alone
             job.trainer.stop_requested = stop.is_set
+        if features is not None:  # items come from a target rank; the pipeline's target stage passes them on
+            source, target_fn, on_tick = features, _pass_through, _with_sample(on_tick, features.sample)
+        else:
+            source = rank_batches(job.data.batches.iterate(*job.trainer.next_data), world.rank, world.size)
+            target_fn = TargetForward(job.target, job.device, cfg.debug.fail_target_at_batch)
         pipeline = Pipeline(
-            rank_batches(job.data.batches.iterate(*job.trainer.next_data), world.rank, world.size),
-            TargetForward(job.target, job.device, cfg.debug.fail_target_at_batch),
+            source,
+            target_fn,
             job.trainer.train_on,
             mode=cfg.pipeline.mode,
             queue_size=cfg.pipeline.queue_size,
@@ -351,10 +343,14 @@ def run_pipeline(cfg: DictConfig, job: Job, stop: threading.Event, on_tick) -> s
             threads_per_stage=_threads_per_stage(cfg, job.device),
             stop_event=None if world.distributed else stop,
         )
+        if features is not None:
+            features.abandon_on(pipeline.stopping)
         if job.trainer.done():
             log.info("nothing to train: step %d of %d already done", job.trainer.step, job.trainer.total_steps)
         else:
             pipeline.run()
+        if features is not None:
+            features.finish(world)  # the target rank stops sending and ends the link
         # decided before the final checkpoint: a signal during it does not make a finished run `interrupted`
         interrupted = (stop.is_set() or job.trainer.stopped_on_request) and not job.trainer.done()
         if _drafter_still_running(pipeline):
@@ -371,6 +367,14 @@ def run_pipeline(cfg: DictConfig, job: Job, stop: threading.Event, on_tick) -> s
         raise
     job.checkpoints.save_final(job.trainer)
     return "interrupted" if interrupted else "completed"
+
+
+def _pass_through(item):
+    return item
+
+
+def _with_sample(on_tick, extra):
+    return lambda sample: on_tick({**sample, **extra()})
 
 
 def _ticker(job: Job, callbacks: CallbackList, summary: dict, t_start: float):

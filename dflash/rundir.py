@@ -53,6 +53,7 @@ EVAL_FILE = "eval.json"
 SUMMARY_FILE = "summary.json"
 CHECKPOINTS_DIR = "checkpoints"
 DRAFTER_DIR = "drafter"
+TARGET_RANK_FILE = "target_rank{rank}.json"  # parallel.target_ranks: each target process's link totals
 STATUSES = ("running", "completed", "failed", "interrupted")
 END_STATUSES = STATUSES[1:]
 log = logging.getLogger(__name__)
@@ -185,6 +186,9 @@ class RunDir:
 
     def read_eval(self) -> dict[str, Any] | None:
         return read_eval_json(self.eval_file)
+
+    def write_target_rank(self, rank: int, stats: dict) -> None:
+        write_json(self.path / TARGET_RANK_FILE.format(rank=rank), stats)
 
     def truncate_metrics(self, step: int) -> None:
         """Drop metric lines past a resumed checkpoint's step, so the resumed run appends without duplicates."""

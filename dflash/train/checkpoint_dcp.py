@@ -55,7 +55,7 @@ def save_sharded(final: Path, model, trainer, world: World, extra: dict, keep_la
         tmp.mkdir()
     world.barrier()
     model_state, optim_state = get_state_dict(model, trainer.optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp), process_group=world.group)
     torch.save({"torch": torch.get_rng_state()}, tmp / _rng_file(world.rank))
     world.barrier()  # every rank's shards are written
     if world.is_main:
@@ -84,7 +84,7 @@ def load_sharded(ckpt: Path, model, trainer, world: World) -> dict:
     check_signature(ckpt, meta, unwrap(model))
     model_state, optim_state = get_state_dict(model, trainer.optimizer)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(ckpt))
+    dcp.load(state, checkpoint_id=str(ckpt), process_group=world.group)
     set_state_dict(model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     trainer.apply_config_to_optimizer()
     trainer.load_counters(meta["trainer"])

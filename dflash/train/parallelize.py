@@ -21,7 +21,7 @@ def parallelize_drafter(drafter: nn.Module, world: World, mixed_precision: bool 
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [world.device.index] if world.device.type == "cuda" else None
-        return DistributedDataParallel(drafter, device_ids=device_ids)
+        return DistributedDataParallel(drafter, device_ids=device_ids, process_group=world.group)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy()

@@ -461,6 +461,11 @@ class Pipeline:
 
     # -- control --------------------------------------------------------------------------------------------
 
+    @property
+    def stopping(self) -> threading.Event:
+        """Set once the pipeline is stopping (for a source that blocks outside the pipeline's queues)."""
+        return self._stop
+
     def request_stop(self, reason: str = "interrupted") -> None:
         """Ask the run to stop; ``run()`` then returns with ``stopped_by="interrupted"``.
 

@@ -16,6 +16,7 @@ import math
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -280,6 +281,8 @@ class DrafterTrainer:
         faulty_rank = cfg.debug.fail_rank is None or cfg.debug.fail_rank == world.rank
         if faulty_rank and cfg.debug.fail_at_step is not None and self.step + 1 >= cfg.debug.fail_at_step:
             raise RuntimeError(f"injected drafter-stage fault at step {self.step + 1} (debug.fail_at_step)")
+        if cfg.debug.slow_step_s:
+            time.sleep(cfg.debug.slow_step_s)
         step = self.step
         lr, noise_std = self.lr_for(step), self.noise_for(step)
         for group in self.optimizer.param_groups:

@@ -99,13 +99,14 @@ class Sender:
     """The target rank's end of a link to drafter rank `peer`. `send` blocks while `bound` items are in flight;
     it returns False once the receiver has asked to stop."""
 
-    def __init__(self, peer: int, bound: int, timeout_s: float, group=None):
+    def __init__(self, peer: int, bound: int, timeout_s: float, group=None, device: torch.device | str = "cpu"):
         self.peer, self.bound, self.timeout_s, self.group = peer, bound, timeout_s, group
+        self.device = torch.device(device)  # where the tensors travel from: cpu for gloo, the rank's GPU for nccl
         self.stats = LinkStats()
         self.seq = 0
         self.stopped = False
         self._sizes: list[int] = []  # bytes of the items in flight, oldest first
-        self._credit = torch.zeros(1, dtype=torch.int64)
+        self._credit = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._credit_work = self._post_credit_recv()
 
     def _post_credit_recv(self):
@@ -137,11 +138,12 @@ class Sender:
             self._take_credits(block=True)
         if self.stopped:
             return False
-        tensors = [t.contiguous() for t in tensors]
+        tensors = [t.to(self.device).contiguous() for t in tensors]
         nbytes = HEADER_LEN * 8 + sum(t.numel() * t.element_size() for t in tensors)
         what = f"target -> drafter rank {self.peer}: sending item {self.seq}"
         try:
-            works = [dist.isend(pack_header(self.seq, ints, tensors), self.peer, group=self.group, tag=TAG_ITEM)]
+            header = pack_header(self.seq, ints, tensors).to(self.device)
+            works = [dist.isend(header, self.peer, group=self.group, tag=TAG_ITEM)]
             works += [dist.isend(t, self.peer, group=self.group, tag=TAG_ITEM) for t in tensors]
         except Exception as e:  # noqa: BLE001
             raise TransportError(f"{what}: {e}") from e
@@ -159,6 +161,7 @@ class Sender:
             self._take_credits(block=True)
         end = torch.zeros(HEADER_LEN, dtype=torch.int64)
         end[0] = _END_MAGIC
+        end = end.to(self.device)
         _wait(lambda: dist.isend(end, self.peer, group=self.group, tag=TAG_ITEM), self.timeout_s, "ending the link")
 
 
@@ -166,8 +169,19 @@ class Receiver:
     """The drafter rank's end of a link from target rank `peer`: a thread receives items into a local queue of
     `bound`; `get` takes the next one (and returns its credit), None once the link ended."""
 
-    def __init__(self, peer: int, bound: int, timeout_s: float, build: Callable[[int, list, list], Any], group=None):
+    def __init__(
+        self,
+        peer: int,
+        bound: int,
+        timeout_s: float,
+        build: Callable[[int, list, list], Any],
+        group=None,
+        device: torch.device | str = "cpu",
+    ):
         self.peer, self.bound, self.timeout_s, self.group, self.build = peer, bound, timeout_s, group, build
+        self.device = torch.device(device)
+        # set when the consumer stops taking items: a get blocked on an empty queue returns None
+        self.abandon: threading.Event | None = None
         self.stats = LinkStats()
         self.queue = BoundedChannel(bound + 1, name=f"from target rank {peer}")
         self.error: BaseException | None = None
@@ -178,7 +192,7 @@ class Receiver:
     def _receive(self) -> None:
         try:
             while True:
-                header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+                header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
                 t0 = time.perf_counter()
                 _wait(
                     lambda h=header: dist.irecv(h, self.peer, group=self.group, tag=TAG_ITEM),
@@ -192,7 +206,7 @@ class Receiver:
                 seq, ints, specs = parsed
                 if seq != self.expected_seq:
                     raise TransportError(f"item {seq} from target rank {self.peer}, expected {self.expected_seq}")
-                tensors = [torch.empty(shape, dtype=dtype) for dtype, shape in specs]
+                tensors = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs]
                 for t in tensors:
                     what = f"drafter <- target rank {self.peer}: receiving item {seq}"
                     _wait(lambda t=t: dist.irecv(t, self.peer, group=self.group, tag=TAG_ITEM), self.timeout_s, what)
@@ -206,12 +220,13 @@ class Receiver:
             self.queue.close()
 
     def get(self) -> Any:
-        item = self.queue.get()
+        """The next item; None once the link ended (or `abandon` is set)."""
+        item = self.queue.get(self.abandon)
         if item is END:
             if self.error is not None:
                 raise self.error
             return None
-        credit = torch.ones(1, dtype=torch.int64)
+        credit = torch.ones(1, dtype=torch.int64, device=self.device)
         what = f"drafter -> target rank {self.peer}: returning credit"
         _wait(lambda: dist.isend(credit, self.peer, group=self.group, tag=TAG_CREDIT), self.timeout_s, what)
         return item
@@ -219,7 +234,7 @@ class Receiver:
     def close(self) -> None:
         """Ask the sender to stop and wait for the link's end (items still arriving are dropped)."""
         if self.error is None:
-            stop = torch.full((1,), STOP_CREDIT, dtype=torch.int64)
+            stop = torch.full((1,), STOP_CREDIT, dtype=torch.int64, device=self.device)
             what = f"drafter -> target rank {self.peer}: stopping"
             _wait(lambda: dist.isend(stop, self.peer, group=self.group, tag=TAG_CREDIT), self.timeout_s, what)
         while self.queue.get() is not END:
@@ -237,7 +252,7 @@ def item_to_wire(item) -> tuple[list[int], list[torch.Tensor]]:
     tensors = [item.input_ids, item.loss_mask, item.target_hidden, item.last_hidden]
     if item.global_loss_mask is not None:
         tensors.append(item.global_loss_mask)
-    return ints, [t.cpu() for t in tensors]
+    return ints, tensors
 
 
 def item_from_wire(seq: int, ints: list[int], tensors: list[torch.Tensor], device: torch.device | str = "cpu"):

@@ -1,0 +1,102 @@
+"""parallel.target_ranks: 1 target rank + 2 drafter ranks under torchrun (gloo on CPU, the tiny random target)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO
+from test_distributed import SMALL, max_diff, status, torchrun, train_records, weights
+
+pytestmark = pytest.mark.slow
+
+DISAGG = ["parallel=ddp", "parallel.target_ranks=1"]
+
+
+def target_stats(run_dir) -> dict:
+    return json.loads((run_dir / "target_rank2.json").read_text())
+
+
+def test_one_target_and_two_drafters_train_like_two_colocated_ranks(tmp_path, cache_dir, tiny_target):
+    common = [*SMALL, "train.max_steps=16", "pipeline.monitor_interval_s=1000"]
+    colocated, disaggregated = tmp_path / "colocated", tmp_path / "disaggregated"
+    torchrun([*common, "parallel=ddp", f"hydra.run.dir={colocated}"], cache_dir, check=True)
+    torchrun([*common, *DISAGG, f"hydra.run.dir={disaggregated}"], cache_dir, nproc=3, check=True)
+    assert max_diff(weights(colocated), weights(disaggregated)) < 1e-6
+    one, two = train_records(colocated)[-1], train_records(disaggregated)[-1]
+    assert one["step"] == two["step"] == 16 and one["tokens"] == two["tokens"]
+    assert two["train/loss"] == pytest.approx(one["train/loss"], rel=1e-6)
+    world = json.loads((disaggregated / "run.json").read_text())["world"]
+    assert world["size"] == 2 and world["target_ranks"] == 1
+    stats = target_stats(disaggregated)
+    assert stats["drafter_ranks"] == [0, 1] and stats["batches"] >= 16
+    assert "perf/link_mb_s" in train_records(disaggregated)[-1]
+
+
+def test_a_slow_drafter_holds_the_target_at_the_bound(tmp_path, cache_dir, tiny_target):
+    run_dir = tmp_path / "run"
+    args = [
+        *SMALL[:1],
+        "train.batch_size=4",
+        "eval.num_prompts=0",
+        "train.max_steps=40",
+        *DISAGG,
+        "parallel.items_in_flight=2",
+        "+debug=faults",
+        "debug.slow_step_s=0.05",
+        f"hydra.run.dir={run_dir}",
+    ]
+    torchrun(args, cache_dir, nproc=3, check=True)
+    stats = target_stats(run_dir)
+    assert stats["items_in_flight_peak"] == 2  # reached, never passed
+    assert stats["credit_wait"] > 0.5  # the target spent most of its time waiting for the drafters
+    # steps + the link's items in flight + the drafter's pipeline (2 queues of 4, 3 items in stage threads)
+    assert stats["batches"] <= 40 + 2 + 2 * 4 + 3
+    rss = stats["rss_mb"]
+    assert rss["max"] - rss["after_4_batches"] < 50, rss
+
+
+@pytest.mark.parametrize(
+    ("fault", "culprit"),
+    [(["debug.fail_target_at_batch=3"], "rank 2"), (["debug.fail_at_step=3", "debug.fail_rank=1"], "rank 1")],
+)
+def test_a_failing_target_or_drafter_rank_ends_all_three(fault, culprit, tmp_path, cache_dir, tiny_target):
+    run_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    args = [*SMALL, "train.max_steps=200", *DISAGG, "+debug=faults", *fault, f"hydra.run.dir={run_dir}"]
+    proc = torchrun(args, cache_dir, nproc=3, timeout=120)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 60
+    st = status(run_dir)
+    assert st["status"] == "failed" and culprit in st["error"], st["error"]
+
+
+def test_sigterm_stops_all_three_with_one_checkpoint_and_the_run_resumes(tmp_path, cache_dir, tiny_target):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "DFLASH_CACHE_DIR": str(cache_dir), "WANDB_MODE": "disabled"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", "launch.py"]
+    args = [*SMALL, *DISAGG, "train.max_steps=100000", "checkpoint.every_steps=0", "pipeline.monitor_interval_s=0.1"]
+    proc = subprocess.Popen(
+        [*cmd, *args, f"hydra.run.dir={run_dir}"], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists() or not train_records(run_dir):
+            assert time.monotonic() < deadline and proc.poll() is None, "training never started"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert status(run_dir)["status"] == "interrupted"
+    step = json.loads((run_dir / "summary.json").read_text())["step"]
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [f"step_{step}"]
+    left = subprocess.run(["pgrep", "-f", f"hydra.run.dir={run_dir}"], capture_output=True, text=True).stdout
+    assert not left.strip(), f"processes left behind: {left}"
+    torchrun([f"resume={run_dir}", f"train.max_steps={step + 3}"], cache_dir, nproc=3, check=True)
+    assert status(run_dir)["status"] == "completed" and train_records(run_dir)[-1]["step"] == step + 3
