@@ -209,6 +209,8 @@ class ParallelConfig:
     init_timeout_s: float = 300.0  # joining the process group (ranks may wait for each other's preprocessing)
     timeout_s: float = 1800.0  # any later collective; long enough for rank 0's evals while the others wait
     mixed_precision: bool = True  # fsdp on CUDA: bf16 compute, fp32 gradient reduction
+    target_devices: list[str] | None = None  # one process: a target replica (and target worker) per device
+    drafter_device: str | None = None  # one process: the drafter's device (null = model.device)
     target_ranks: int = 0  # ddp under torchrun: the last K ranks only run the target and send features
     items_in_flight: int = 2  # target_ranks: items per target -> drafter link not yet taken by the drafter
 
@@ -379,6 +381,11 @@ def validate(cfg: DictConfig | Config) -> None:
     _check(par.items_in_flight >= 1, "parallel.items_in_flight", par.items_in_flight, "must be >= 1")
     if par.target_ranks:
         _check(par.name == "ddp", "parallel.target_ranks", par.target_ranks, "needs parallel=ddp (fsdp: not yet)")
+    placed = par.target_devices is not None or par.drafter_device is not None
+    if placed:
+        where = [par.target_devices, par.drafter_device]
+        _check(par.name == "single", "parallel.target_devices/drafter_device", where, "need parallel=single")
+        _check(par.target_devices is None or len(par.target_devices) >= 1, "parallel.target_devices", [], "empty")
 
     e = c.eval
     _check(e.every_steps >= 0, "eval.every_steps", e.every_steps, "must be >= 0 (0 = final eval only)")

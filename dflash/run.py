@@ -33,7 +33,7 @@ from dflash.evaluation.evaluator import Evaluator
 from dflash.job_info import JobInfo, hydra_job_info
 from dflash.model.build import build_drafter_config, init_drafter, resolve_mask_token_id, resolve_target_layer_ids
 from dflash.model.export import export_drafter
-from dflash.model.target import DTYPES, TargetModel, load_target_config, resolve_device
+from dflash.model.target import DTYPES, TargetHeads, TargetModel, load_target_config, resolve_device
 from dflash.resume import check_data_unchanged, resume_config
 from dflash.rundir import RunDir, StatusFile, cpu_model
 from dflash.secrets import redact
@@ -75,6 +75,7 @@ class Job:
     evaluator: Evaluator
     world: World = field(default_factory=World)
     model: torch.nn.Module | None = None  # the drafter as wrapped for data parallelism
+    replicas: list = field(default_factory=list)  # parallel.target_devices: a target per device (target first)
 
     def gather_drafter(self) -> torch.nn.Module | None:
         """The whole trained drafter, unwrapped, on rank 0 (None elsewhere): the drafter itself in one
@@ -271,8 +272,11 @@ def build_job(cfg: DictConfig, run: RunDir, world: World | None = None) -> Job:
         raise ConfigError(
             f"train.batch_size={cfg.train.batch_size} is the global batch: it must divide by the {world.size} ranks"
         )
-    device = world.device if world.distributed else resolve_device(cfg.model.device)
-    target = TargetModel.load(cfg.model.target, layer_ids, cfg.model.dtype, str(device))
+    par = cfg.parallel
+    device = world.device if world.distributed else resolve_device(par.get("drafter_device") or cfg.model.device)
+    places = par.get("target_devices") or [str(world.device if world.distributed else resolve_device(cfg.model.device))]
+    replicas = [TargetModel.load(cfg.model.target, layer_ids, cfg.model.dtype, d) for d in places]
+    target = replicas[0]
     # hashed once (rank 0), not by every rank: the files can be gigabytes
     fingerprint = world.broadcast_object(data_fingerprint(cfg.data, cfg.model.target) if world.is_main else None)
     data = world.main_first(  # data=jsonl under torchrun: rank 0 renders into the cache, then the others load it
@@ -310,8 +314,9 @@ def build_job(cfg: DictConfig, run: RunDir, world: World | None = None) -> Job:
         checkpoints.maybe_save(trainer)
         evaluator.maybe_eval(trainer)
 
-    trainer = DrafterTrainer(cfg, target, drafter, mask_id, total_steps(cfg.train), after_step, world, model)
-    return Job(target, drafter, device, data, trainer, checkpoints, evaluator, world, model)
+    heads = target if target.device == device else TargetHeads(target, device)  # what the trainer reads of it
+    trainer = DrafterTrainer(cfg, heads, drafter, mask_id, total_steps(cfg.train), after_step, world, model)
+    return Job(target, drafter, device, data, trainer, checkpoints, evaluator, world, model, replicas)
 
 
 def run_pipeline(cfg: DictConfig, job: Job, stop: threading.Event, on_tick) -> str:
@@ -328,7 +333,7 @@ def run_pipeline(cfg: DictConfig, job: Job, stop: threading.Event, on_tick) -> s
             source, target_fn, on_tick = features, _pass_through, _with_sample(on_tick, features.sample)
         else:
             source = rank_batches(job.data.batches.iterate(*job.trainer.next_data), world.rank, world.size)
-            target_fn = TargetForward(job.target, job.device, cfg.debug.fail_target_at_batch)
+            target_fn = TargetForward(job.replicas or job.target, job.device, cfg.debug.fail_target_at_batch)
         pipeline = Pipeline(
             source,
             target_fn,
@@ -336,7 +341,7 @@ def run_pipeline(cfg: DictConfig, job: Job, stop: threading.Event, on_tick) -> s
             mode=cfg.pipeline.mode,
             queue_size=cfg.pipeline.queue_size,
             queue_bytes=cfg.pipeline.queue_bytes,
-            target_workers=cfg.pipeline.target_workers,
+            target_workers=max(cfg.pipeline.target_workers, len(job.replicas)),  # a worker per target replica
             monitor_interval_s=cfg.pipeline.monitor_interval_s,
             on_tick=on_tick,
             join_timeout_s=cfg.pipeline.join_timeout_s,
@@ -433,5 +438,6 @@ def _threads_per_stage(cfg, device: torch.device) -> int | None:
         return None
     if cfg.pipeline.threads_per_stage is not None:
         return cfg.pipeline.threads_per_stage
-    stages = cfg.pipeline.target_workers + 1 if cfg.pipeline.mode == "async" else 1
+    workers = max(cfg.pipeline.target_workers, len(cfg.parallel.get("target_devices") or []))
+    stages = workers + 1 if cfg.pipeline.mode == "async" else 1
     return max(1, torch.get_num_threads() // stages)

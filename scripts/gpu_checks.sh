@@ -6,6 +6,8 @@
 #   3. feature noise on CUDA (its generator must live on the GPU)
 #   4. issue 13: data-parallel training with NCCL: DDP and FSDP2 (bf16 mixed precision) on the GPUs there are
 #      (2 ranks need 2 GPUs; on 1 GPU a 1-rank world checks the NCCL/FSDP2/DCP path), and the dist bench
+#   5. issue 15: parallel.target_devices/drafter_device in one process (non-blocking device copies), and on 2
+#      GPUs 1 target rank + 1 drafter rank (parallel.target_ranks=1) over NCCL point-to-point
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -32,3 +34,17 @@ for PAR in ddp fsdp; do
   echo "$PAR x $NPROC: exit $?; status: $(tr -d '\n ' < "$OUT/dp_$PAR/status.json" 2>/dev/null)"
 done
 timeout 300 "$PY" -m dflash.bench dist device=cuda nproc=$NPROC 2>&1 | tee "$OUT/bench_dist.txt" | tail -4
+
+echo "== 5. issue 15: placement in one process, and a disaggregated target rank (NCCL p2p) on 2 GPUs"
+timeout 300 "$PY" launch.py experiment=smoke model.device=cuda "parallel.target_devices=[cuda:0]" \
+  parallel.drafter_device=cuda:0 train.max_steps=20 "hydra.run.dir=$OUT/placed" > "$OUT/placed.log" 2>&1
+echo "placed: exit $?; status: $(tr -d '\n ' < "$OUT/placed/status.json" 2>/dev/null)"
+if [ "$NGPU" -ge 2 ]; then
+  timeout 300 "$PY" -m torch.distributed.run --standalone --nproc-per-node=2 launch.py experiment=smoke \
+    parallel=ddp parallel.target_ranks=1 train.batch_size=4 train.max_steps=20 "hydra.run.dir=$OUT/disagg" \
+    > "$OUT/disagg.log" 2>&1
+  echo "1 target + 1 drafter rank (nccl): exit $?; status: $(tr -d '\n ' < "$OUT/disagg/status.json" 2>/dev/null)"
+  cat "$OUT/disagg/target_rank1.json" 2>/dev/null
+else
+  echo "disaggregated NCCL run skipped: needs 2 GPUs"
+fi

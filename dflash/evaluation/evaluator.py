@@ -241,6 +241,12 @@ def _details(prompts, dflash, target_only, lookup, untrained, tokenizer, setting
     return {**settings, "prompts": per_prompt}
 
 
+def on_device_of(drafter: nn.Module, model: nn.Module) -> nn.Module:
+    """The drafter on `model`'s device: a copy when it trains elsewhere (parallel.drafter_device), else itself."""
+    device = module_device(model)
+    return drafter if module_device(drafter) == device else copy.deepcopy(drafter).to(device)
+
+
 def choose_prompts(eval_cfg, data_cfg, tokenizer, seed: int, **heldout) -> list[list[int]]:
     """A run's eval prompts (token ids): `eval.prompts_file`, else `eval.num_prompts` prompts from the held-out
     part of the run's data (`heldout`: `heldout_prompts`' chat, target and cache_dir). The one place that
@@ -283,7 +289,8 @@ class Evaluator:
         choose = main and self.cfg.num_prompts
         self.prompts = choose_prompts(cfg.eval, cfg.data, tokenizer, self.seed, **heldout) if choose else []
         # the drafter before training: the baseline that shows what training bought
-        self.untrained = copy.deepcopy(drafter).eval() if main and self.cfg.baselines and self.prompts else None
+        want = main and self.cfg.baselines and self.prompts
+        self.untrained = on_device_of(copy.deepcopy(drafter).eval(), target.model) if want else None
         self.on_result = lambda metrics: None
         self.on_final = lambda step, metrics, details: None  # the run points it at callbacks.on_final_eval
 
@@ -312,6 +319,7 @@ class Evaluator:
         snapshot = drafter if drafter is not None else self._current_weights()
         if snapshot is None or not self.prompts:
             return {}
+        snapshot = on_device_of(snapshot, self.target.model)
         log.info("eval at step %d: %d prompts%s", step, len(self.prompts), " with baselines" if final else "")
         t0 = time.time()
         result = evaluate(

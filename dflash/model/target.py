@@ -106,3 +106,20 @@ class TargetModel(nn.Module):
 
     def logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(last_hidden)
+
+
+class TargetHeads(nn.Module):
+    """Frozen copies of the target's input embedding and LM head on the drafter's device, for a drafter that
+    trains on another device than the target (parallel.drafter_device): what the trainer reads of the target."""
+
+    def __init__(self, target: TargetModel, device: torch.device):
+        super().__init__()
+        import copy
+
+        self.embed_tokens = copy.deepcopy(target.embed_tokens).to(device).requires_grad_(False)
+        tied = target.lm_head.weight is target.embed_tokens.weight
+        self.lm_head = self.embed_tokens if tied else copy.deepcopy(target.lm_head).to(device).requires_grad_(False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device

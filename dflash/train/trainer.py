@@ -59,26 +59,46 @@ class HiddenItem:
 
 
 class TargetForward:
-    """Batch -> HiddenItem with the frozen target. `fail_at_batch` is a fault-injection hook for tests."""
+    """Batch -> HiddenItem with the frozen target, on the drafter's `device`. With several replicas (one per
+    device, parallel.target_devices) each pipeline target worker thread keeps one. `fail_at_batch` is a
+    fault-injection hook for tests."""
 
     def __init__(self, target, device: torch.device, fail_at_batch: int | None = None):
-        self.target = target
+        self.replicas = list(target) if isinstance(target, (list, tuple)) else [target]
+        self.target = self.replicas[0]
         self.device = device
         self.fail_at_batch = fail_at_batch
         self.calls = 0
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._assigned = 0
+
+    def _replica(self):
+        replica = getattr(self._local, "replica", None)
+        if replica is None:
+            with self._lock:  # each worker thread keeps the next replica
+                replica = self._local.replica = self.replicas[self._assigned % len(self.replicas)]
+                self._assigned += 1
+        return replica
 
     def __call__(self, batch: Batch) -> HiddenItem:
-        self.calls += 1
-        if self.fail_at_batch is not None and self.calls >= self.fail_at_batch:
-            raise RuntimeError(f"injected target-stage fault at batch {self.calls} (debug.fail_target_at_batch)")
-        ids = batch.input_ids.to(self.target.device)
-        target_hidden, last_hidden = self.target.features(ids)
-        # features are made under no-grad in the target; the drafter only reads them
+        with self._lock:
+            self.calls += 1
+            calls = self.calls
+        if self.fail_at_batch is not None and calls >= self.fail_at_batch:
+            raise RuntimeError(f"injected target-stage fault at batch {calls} (debug.fail_target_at_batch)")
+        target = self._replica()
+        target_hidden, last_hidden = target.features(batch.input_ids.to(target.device))
+        # features are made under no-grad in the target; the drafter only reads them. Another device: copies
+        # queued without blocking, then this (target worker) thread waits for them, not the drafter
+        moved = [t.to(self.device, non_blocking=True) for t in (target_hidden, last_hidden)]
+        if target.device.type == "cuda" and target.device != self.device:
+            torch.cuda.current_stream(target.device).synchronize()
         return HiddenItem(
             input_ids=batch.input_ids.to(self.device),
             loss_mask=batch.loss_mask.to(self.device),
-            target_hidden=target_hidden.to(self.device),
-            last_hidden=last_hidden.to(self.device),
+            target_hidden=moved[0],
+            last_hidden=moved[1],
             num_tokens=batch.num_tokens,
             data_pass=batch.data_pass,
             index=batch.index,
