@@ -9,7 +9,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "dflash"
-ENTRY_POINTS = {"dflash.compare", "dflash.evaluate", "dflash.export", "dflash.bench", "dflash.report", "dflash.regenerate"}
+ENTRY_POINTS = {
+    "dflash.compare",
+    "dflash.evaluate",
+    "dflash.export",
+    "dflash.bench",
+    "dflash.report",
+    "dflash.regenerate",
+}
 
 # layer of each module prefix (lower number = lower floor); a module may import its own floor or below
 LAYERS = {

@@ -17,7 +17,11 @@ def _item(i: int) -> tuple[list[int], list[torch.Tensor]]:
     g = torch.Generator().manual_seed(i)
     rows, seq = 1 + i % 3, 8 + 4 * (i % 5)
     feats = torch.randn(rows, seq, 12, generator=g).to(torch.bfloat16)
-    return [i, 2 * i, -1], [torch.randint(0, 100, (rows, seq), generator=g), feats, torch.rand(rows, seq, generator=g) > 0.5]
+    return [i, 2 * i, -1], [
+        torch.randint(0, 100, (rows, seq), generator=g),
+        feats,
+        torch.rand(rows, seq, generator=g) > 0.5,
+    ]
 
 
 def _worker(rank: int, init: str, mode: str, out: dict) -> None:
@@ -81,3 +85,10 @@ def test_a_dead_target_fails_the_drafters_wait_naming_it(tmp_path):
     assert codes[0] == 3
     assert "target rank 0" in out.get("error", ""), out
     assert out["received"] < 10
+
+
+def test_the_console_says_which_side_of_the_link_is_slower():
+    from dflash.tracking.console import _stats_text
+
+    assert "slower: target ranks" in _stats_text({"perf/link_wait": 0.6, "perf/link_mb_s": 10.0})
+    assert "slower: drafters" in _stats_text({"perf/link_wait": 0.01, "perf/link_mb_s": 10.0})

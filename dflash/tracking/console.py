@@ -39,6 +39,9 @@ def _stats_text(m: Mapping[str, Any], evaluating: bool = False) -> str:
         parts.append(
             "queues " + " ".join(f"{name} {float(v):g}" for name, v in (("target", tq), ("hs", hq)) if v is not None)
         )
+    if (wait := m.get("perf/link_wait")) is not None:  # parallel.target_ranks: which side holds the other up
+        side = "target ranks" if wait > 0.2 else "drafters"
+        parts.append(f"link {float(m.get('perf/link_mb_s', 0.0)):.0f} MB/s, waits {100 * wait:.0f}% (slower: {side})")
     return " | ".join(parts)
 
 
