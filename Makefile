@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run run-dist test lint format bench clean
+.PHONY: setup run run-dist test lint format bench ablation clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,11 @@ format: setup
 
 bench: setup
 	$(PY) -m dflash.bench $(or $(BENCH),loss)
+
+# the loss ablation (18 jobs, ~30 min on 2 cores) and the README table made from its run directories
+ablation: setup
+	$(PY) launch.py -m experiment=ablation_loss $(ARGS)
+	$(PY) scripts/ablation_table.py outputs/ablation_loss
 
 clean:
 	rm -rf $(VENV) outputs/.cache

@@ -196,6 +196,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     max_bad_steps: int = 10
+    deterministic: bool = False  # deterministic algorithms and one CPU thread per stage (dflash/determinism.py)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from dflash import interrupts
+from dflash import determinism, interrupts
 from dflash.config import ConfigError, validate
 from dflash.data.batches import rank_batches
 from dflash.data.corpus import jsonl_files, load_tokenizer
@@ -167,6 +167,7 @@ def train(
         serve_target(cfg, world, RunDir(run_dir))
         return TrainResult("completed", {})
     t_start = time.time()
+    determinism.apply(cfg.train.deterministic)
     torch.manual_seed(cfg.train.seed)
     run = RunDir(run_dir)
     job = build_job(cfg, run, world)
@@ -438,6 +439,8 @@ def _threads_per_stage(cfg, device: torch.device) -> int | None:
         return None
     if cfg.pipeline.threads_per_stage is not None:
         return cfg.pipeline.threads_per_stage
+    if cfg.train.deterministic:
+        return determinism.cpu_threads_per_stage(True)
     workers = max(cfg.pipeline.target_workers, len(cfg.parallel.get("target_devices") or []))
     stages = workers + 1 if cfg.pipeline.mode == "async" else 1
     return max(1, torch.get_num_threads() // stages)

@@ -27,6 +27,7 @@ LAYERS = {
     "dflash.distributed": 0,
     "dflash.terminal": 0,
     "dflash.interrupts": 0,
+    "dflash.determinism": 0,
     "dflash.model": 1,
     "dflash.data": 2,
     "dflash.train": 3,

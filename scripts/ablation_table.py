@@ -1,0 +1,68 @@
+"""Regenerate the README's ablation table from the run directories of `experiment=ablation_loss`.
+
+    python scripts/ablation_table.py [SWEEP_DIR] [--readme README.md]
+
+It runs `python -m dflash.compare SWEEP_DIR --group-by --format markdown` (mean, std and 95% interval over the
+seeds of each configuration, and whether a group is within noise of the best) and puts its output, with the
+command, the machine and the date, between the README's `<!-- ablation_loss:begin -->` and `:end -->` markers.
+No number is copied by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- ablation_loss:begin -->", "<!-- ablation_loss:end -->"
+METRICS = "eval/tau,train/avg_streak,train/loss"
+
+
+def table(sweep: Path) -> str:
+    cmd = [sys.executable, "-m", "dflash.compare", str(sweep), "--group-by", "--format", "markdown"]
+    cmd += ["--metrics", METRICS, "--sort", "eval/tau"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    return out
+
+
+def block(sweep: Path, text: str) -> str:
+    sys.path.insert(0, str(REPO))
+    from dflash.rundir import cpu_model
+
+    shown = sweep.relative_to(REPO) if sweep.is_relative_to(REPO) else sweep
+    when = datetime.date.today().isoformat()
+    return (
+        f"{BEGIN}\n`make ablation` ({when}, {cpu_model()}, {os.cpu_count()} cores; "
+        f"`python -m dflash.compare {shown} --group-by --format markdown --metrics {METRICS} --sort eval/tau`):\n\n"
+        f"{text}\n{END}"
+    )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("sweep", nargs="?", type=Path, default=REPO / "outputs" / "ablation_loss")
+    p.add_argument("--readme", type=Path, default=REPO / "README.md")
+    args = p.parse_args()
+    if not (args.sweep / "sweep.json").exists():
+        raise SystemExit(f"{args.sweep}: no sweep.json (run `make ablation` or pass the sweep directory)")
+    readme = args.readme.read_text()
+    if BEGIN not in readme or END not in readme:
+        raise SystemExit(f"{args.readme}: no {BEGIN} ... {END} markers")
+    new = re.sub(
+        re.escape(BEGIN) + ".*?" + re.escape(END),
+        lambda _: block(args.sweep.resolve(), table(args.sweep)),
+        readme,
+        flags=re.S,
+    )
+    args.readme.write_text(new)
+    print(f"{args.readme}: ablation table regenerated from {args.sweep}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
