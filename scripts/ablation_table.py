@@ -23,14 +23,16 @@ BEGIN, END = "<!-- ablation_loss:begin -->", "<!-- ablation_loss:end -->"
 METRICS = "eval/tau,train/avg_streak,train/loss"
 
 
-def table(sweep: Path) -> str:
+def table(sweep: Path, metrics: str) -> str:
     cmd = [sys.executable, "-m", "dflash.compare", str(sweep), "--group-by", "--format", "markdown"]
-    cmd += ["--metrics", METRICS, "--sort", "eval/tau"]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-    return out
+    cmd += ["--metrics", metrics, "--sort", "eval/tau"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr.strip()}")
+    return out.stdout.strip()
 
 
-def block(sweep: Path, text: str) -> str:
+def block(sweep: Path, text: str, metrics: str) -> str:
     sys.path.insert(0, str(REPO))
     from dflash.rundir import cpu_model
 
@@ -38,7 +40,7 @@ def block(sweep: Path, text: str) -> str:
     when = datetime.date.today().isoformat()
     return (
         f"{BEGIN}\n`make ablation` ({when}, {cpu_model()}, {os.cpu_count()} cores; "
-        f"`python -m dflash.compare {shown} --group-by --format markdown --metrics {METRICS} --sort eval/tau`):\n\n"
+        f"`python -m dflash.compare {shown} --group-by --format markdown --metrics {metrics} --sort eval/tau`):\n\n"
         f"{text}\n{END}"
     )
 
@@ -47,6 +49,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("sweep", nargs="?", type=Path, default=REPO / "outputs" / "ablation_loss")
     p.add_argument("--readme", type=Path, default=REPO / "README.md")
+    p.add_argument("--metrics", default=METRICS, help=f"compare's --metrics (default {METRICS})")
     args = p.parse_args()
     if not (args.sweep / "sweep.json").exists():
         raise SystemExit(f"{args.sweep}: no sweep.json (run `make ablation` or pass the sweep directory)")
@@ -55,7 +58,7 @@ def main() -> int:
         raise SystemExit(f"{args.readme}: no {BEGIN} ... {END} markers")
     new = re.sub(
         re.escape(BEGIN) + ".*?" + re.escape(END),
-        lambda _: block(args.sweep.resolve(), table(args.sweep)),
+        lambda _: block(args.sweep.resolve(), table(args.sweep, args.metrics), args.metrics),
         readme,
         flags=re.S,
     )

@@ -460,3 +460,20 @@ def test_seed_groups_get_confidence_intervals_error_bars_and_a_best_command(tmp_
     with redirect_stdout(out):
         assert main([str(tmp_path), "--group-by", "--best", "eval/tau"]) == 0
     assert out.getvalue().splitlines()[-1] == "python launch.py loss.streak_alpha=1.0 experiment=sweep_loss"
+
+
+def test_ablation_script_writes_the_grouped_table_into_the_readme(seeds_dir: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    (seeds_dir / "sweep.json").write_text("{}")
+    readme = tmp_path / "README.md"
+    readme.write_text("before\n<!-- ablation_loss:begin -->\nold\n<!-- ablation_loss:end -->\nafter\n")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "ablation_table.py"
+    args = [str(seeds_dir), "--readme", str(readme), "--metrics", "eval/tau,train/loss"]
+    subprocess.run([sys.executable, str(script), *args], check=True)
+    text = readme.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
+    rows = [line for line in text.splitlines() if line.startswith("| 2 ") or line.startswith("| 1 ")]
+    assert len(rows) == 2 and "| 3.5 |" in rows[0] and "best" in rows[0]  # sorted by mean tau, best first
+    assert "eval/tau ci95" in text and "--group-by" in text
