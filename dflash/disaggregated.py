@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from dflash.data.batches import rank_slice
 from dflash.data.corpus import load_tokenizer
 from dflash.data.fingerprint import data_fingerprint
-from dflash.data.training_data import build_training_data
+from dflash.data.training_data import run_training_data
 from dflash.distributed import World
 from dflash.model.build import resolve_target_layer_ids
 from dflash.model.target import TargetModel, load_target_config
@@ -59,16 +59,7 @@ def serve_target(cfg: DictConfig, world: World, run: RunDir) -> None:
     target = TargetModel.load(cfg.model.target, layer_ids, cfg.model.dtype, str(world.device))
     fingerprint = data_fingerprint(cfg.data, cfg.model.target) if cfg.data.name == "jsonl" else None
     data = world.main_first(  # rank 0 renders data=jsonl into the cache first; this rank then loads it
-        lambda: build_training_data(
-            cfg.data,
-            cfg.train,
-            tokenizer,
-            cfg.model.block_size,
-            target_model=target.model,
-            target_path=cfg.model.target,
-            cache_dir=cfg.paths.cache_dir,
-            fingerprint=fingerprint,
-        )
+        lambda: run_training_data(cfg, tokenizer, target.model, fingerprint)
     )
     start = world.broadcast_to_all(None)  # rank 0's data position after its resume
     peers = world.drafters_of(world.rank)

@@ -26,7 +26,7 @@ from dflash.config import ConfigError, validate
 from dflash.data.batches import rank_batches
 from dflash.data.corpus import jsonl_files, load_tokenizer
 from dflash.data.fingerprint import data_fingerprint
-from dflash.data.training_data import TrainingData, build_training_data
+from dflash.data.training_data import TrainingData, run_training_data
 from dflash.disaggregated import FeatureSource, serve_target
 from dflash.distributed import World, init_world, launch_rank
 from dflash.evaluation.evaluator import Evaluator
@@ -281,16 +281,7 @@ def build_job(cfg: DictConfig, run: RunDir, world: World | None = None) -> Job:
     # hashed once (rank 0), not by every rank: the files can be gigabytes
     fingerprint = world.broadcast_object(data_fingerprint(cfg.data, cfg.model.target) if world.is_main else None)
     data = world.main_first(  # data=jsonl under torchrun: rank 0 renders into the cache, then the others load it
-        lambda: build_training_data(
-            cfg.data,
-            cfg.train,
-            tokenizer,
-            cfg.model.block_size,
-            target_model=target.model,
-            target_path=cfg.model.target,
-            cache_dir=cfg.paths.cache_dir,
-            fingerprint=fingerprint,
-        )
+        lambda: run_training_data(cfg, tokenizer, target.model, fingerprint)
     )
     drafter_config = build_drafter_config(target_config, cfg.model, layer_ids, mask_id)
     drafter = init_drafter(drafter_config, cfg.train.seed, device, DTYPES[cfg.model.dtype])

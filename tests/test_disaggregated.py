@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
-from conftest import REPO
-from test_distributed import SMALL, max_diff, status, torchrun, train_records, weights
+from test_distributed import SMALL, max_diff, sigterm_once_training, status, torchrun, train_records, weights
 
 pytestmark = pytest.mark.slow
 
@@ -80,19 +78,7 @@ def test_sigterm_stops_all_three_with_one_checkpoint_and_the_run_resumes(tmp_pat
     env = {**os.environ, "DFLASH_CACHE_DIR": str(cache_dir), "WANDB_MODE": "disabled"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", "launch.py"]
     args = [*SMALL, *DISAGG, "train.max_steps=100000", "checkpoint.every_steps=0", "pipeline.monitor_interval_s=0.1"]
-    proc = subprocess.Popen(
-        [*cmd, *args, f"hydra.run.dir={run_dir}"], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not (run_dir / "metrics.jsonl").exists() or not train_records(run_dir):
-            assert time.monotonic() < deadline and proc.poll() is None, "training never started"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    sigterm_once_training([*cmd, *args, f"hydra.run.dir={run_dir}"], run_dir, env)
     assert status(run_dir)["status"] == "interrupted"
     step = json.loads((run_dir / "summary.json").read_text())["step"]
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [f"step_{step}"]

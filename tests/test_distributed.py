@@ -48,6 +48,21 @@ def torchrun(
     return proc
 
 
+def sigterm_once_training(cmd: list[str], run_dir: Path, env: dict) -> None:
+    """Start `cmd`, send SIGTERM once the run has logged a training step, and wait (60 s at most) for the end."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists() or not train_records(run_dir):
+            assert time.monotonic() < deadline and proc.poll() is None, "training never started"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "drafter" / "model.safetensors"))
 
@@ -209,17 +224,7 @@ def test_sigterm_to_torchrun_stops_every_rank_with_one_checkpoint(tmp_path, cach
         "pipeline.monitor_interval_s=0.1",
         f"hydra.run.dir={run_dir}",
     ]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (run_dir / "metrics.jsonl").exists() or not train_records(run_dir):
-            assert time.monotonic() < deadline and proc.poll() is None, "training never started"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    sigterm_once_training(cmd, run_dir, env)
     st = status(run_dir)
     assert st["status"] == "interrupted", st
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -55,6 +55,20 @@ def build_training_data(
     return TrainingData(PackedBatches(ids, mask, train_cfg.seq_len, train_cfg.batch_size, train_cfg.seed, min_sup))
 
 
+def run_training_data(cfg, tokenizer, target_model, fingerprint: dict | None) -> TrainingData:
+    """`build_training_data` with a run's config (`cfg.data`, `cfg.train`, `cfg.model`, `cfg.paths`)."""
+    return build_training_data(
+        cfg.data,
+        cfg.train,
+        tokenizer,
+        cfg.model.block_size,
+        target_model=target_model,
+        target_path=cfg.model.target,
+        cache_dir=cfg.paths.cache_dir,
+        fingerprint=fingerprint,
+    )
+
+
 def _jsonl_data(data_cfg, train_cfg, tokenizer, target_path, cache_dir, fingerprint) -> TrainingData:
     fingerprint = fingerprint or data_fingerprint(data_cfg, target_path)
     chat = load_chat_data(data_cfg, tokenizer, fingerprint, cache_dir)
