@@ -324,6 +324,7 @@ def _lock_search(sweep_dir: Path):
 def prepare_optuna_search(config: DictConfig):
     """Create or continue the study of `hydra.sweeper` before the sweeper runs (see the module docstring) and
     adjust `config` (n_trials, sampler seed, job subdir); returns the held lock file (released on a refusal)."""
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # optuna's storage imports it: a line per plugin
     import optuna
     import sqlalchemy
 
