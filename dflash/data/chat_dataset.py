@@ -104,15 +104,16 @@ class ChatData:
         return part["input_ids"], part["loss_mask"]
 
 
-_loaded: dict[str, ChatData] = {}  # one table per process: the run's batches and eval prompts share it
+_loaded: dict[tuple, ChatData] = {}  # one table per process: the run's batches and eval prompts share it
 
 
 def load_chat_data(data_cfg, tokenizer, fingerprint: dict, cache_dir: str | None) -> ChatData:
     """Render (or load from the cache) every record of `data.path`; split off the held-out tail."""
     template_kwargs = dict(data_cfg.get("chat_template_kwargs") or {})
     key = cache_key(fingerprint, template_kwargs)
-    if key in _loaded:
-        return _loaded[key]
+    memo = (key, data_cfg.holdout_fraction, data_cfg.on_bad_record)  # the split and the check depend on these too
+    if memo in _loaded:
+        return _loaded[memo]
     table = _rendered_table(data_cfg, tokenizer, key, template_kwargs, cache_dir)
     errors = np.asarray(table.data.column("error").to_numpy(zero_copy_only=False))
     bad = np.flatnonzero(errors != "")
@@ -135,7 +136,7 @@ def load_chat_data(data_cfg, tokenizer, fingerprint: dict, cache_dir: str | None
         skipped=int(bad.size),
         key=key,
     )
-    _loaded[key] = data
+    _loaded[memo] = data
     return data
 
 
