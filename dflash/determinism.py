@@ -15,11 +15,10 @@ log = logging.getLogger(__name__)
 
 def apply(enabled: bool) -> None:
     """Switch deterministic mode on or off for this process (the next job of a multirun may differ)."""
+    torch.use_deterministic_algorithms(enabled)
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it before its first use
-    torch.use_deterministic_algorithms(enabled)
-    torch.backends.cudnn.benchmark = False if enabled else torch.backends.cudnn.benchmark
-    if enabled:
+        torch.backends.cudnn.benchmark = False
         log.info("train.deterministic: deterministic algorithms, one CPU thread per pipeline stage")
 
 

@@ -67,7 +67,8 @@ def serve_target(cfg: DictConfig, world: World, run: RunDir) -> None:
     senders = {d: Sender(d, cfg.parallel.items_in_flight, _timeout(cfg), device=device) for d in peers}
     forward = TargetForward(target, device, cfg.debug.fail_target_at_batch)
     log.warning("target rank %d: feeding drafter ranks %s from batch %s", world.rank, peers, tuple(start))
-    t0, batches, peak, rss = time.monotonic(), 0, 0, []
+    t0, batches, peak = time.monotonic(), 0, 0
+    rss_warm = rss_max = None  # resident memory after warm-up and its highest value since (a leak would grow it)
     with torch.inference_mode():
         for batch in data.batches.iterate(*start):
             live = [d for d in peers if not senders[d].stopped]
@@ -77,8 +78,10 @@ def serve_target(cfg: DictConfig, world: World, run: RunDir) -> None:
                 senders[d].send(*item_to_wire(forward(rank_slice(batch, d, world.size))))
                 peak = max(peak, senders[d].stats.in_flight)
             batches += 1
-            if batches >= 4:  # after warm-up: a growing RSS would show a leak
-                rss.append(_rss_mb())
+            if batches >= 4:
+                rss = _rss_mb()
+                rss_warm = rss if rss_warm is None else rss_warm
+                rss_max = rss if rss_max is None else max(rss_max, rss)
     for sender in senders.values():
         sender.wait_for_stop()
     world.barrier_all()  # the drafters have closed their links too
@@ -91,7 +94,7 @@ def serve_target(cfg: DictConfig, world: World, run: RunDir) -> None:
         "credit_wait": sum(s.stats.wait_s for s in senders.values()) / max(seconds, 1e-9),
         "items_in_flight_bound": cfg.parallel.items_in_flight,
         "items_in_flight_peak": peak,
-        "rss_mb": {"after_4_batches": rss[0] if rss else None, "max": max(rss, default=None), "end": _rss_mb()},
+        "rss_mb": {"after_4_batches": rss_warm, "max": rss_max, "end": _rss_mb()},
     }
     run.write_target_rank(world.rank, stats)
     log.warning(

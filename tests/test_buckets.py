@@ -51,7 +51,8 @@ def test_a_conversation_in_a_batch_has_the_features_it_has_alone(chat_file, tiny
     records = {tuple(ids) for ids in td.chat.table["input_ids"]}
     checked = 0
     for batch, _ in zip(td.batches.iterate(), range(6)):
-        assert batch.lengths.min() < batch.input_ids.shape[1] or batch.lengths.max() == batch.input_ids.shape[1]
+        # as wide as its longest row, rounded up to data.pad_to_multiple_of (64)
+        assert batch.input_ids.shape[1] == -(-int(batch.lengths.max()) // 64) * 64
         hidden, last = target.features(batch.input_ids)
         anchors, valid = sample_anchors(batch.loss_mask, 8, 4, torch.Generator().manual_seed(0))
         visible = build_training_attention_mask(anchors, valid, batch.input_ids.shape[1], 4)[:, 0]
