@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 
+import psutil
 import torch
 from omegaconf import DictConfig
 
@@ -43,11 +44,7 @@ def _timeout(cfg: DictConfig) -> float:
 
 
 def _rss_mb() -> float:
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
-    except (OSError, StopIteration):
-        return 0.0
+    return psutil.Process().memory_info().rss / 2**20
 
 
 def serve_target(cfg: DictConfig, world: World, run: RunDir) -> None:

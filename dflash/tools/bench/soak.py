@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 from dflash.tools.bench.options import parse_opts
 
 DEFAULTS = {
@@ -34,12 +36,9 @@ REPO = Path(__file__).resolve().parents[3]
 
 def _rss_mb(pid: int) -> float | None:
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
+        return psutil.Process(pid).memory_info().rss / 2**20
+    except psutil.Error:  # the run has just exited
         return None
-    return None
 
 
 def _step_time(records: list[dict], lo: int, hi: int) -> float | None:
