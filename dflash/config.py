@@ -182,6 +182,9 @@ class EvalConfig:
     prompt_lookup_ngram: int = 3
     prompts_file: str | None = None
     final: bool = True
+    # chooses the held-out prompts and seeds sampling; apart from train.seed so that runs of different training
+    # seeds are measured on the same prompts (a seed's tau then differs by training, not by test set)
+    seed: int = 0
 
 
 @dataclass

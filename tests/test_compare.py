@@ -427,9 +427,9 @@ def test_sort_keeps_numbers_before_text_in_both_directions() -> None:
 
 
 def test_seed_groups_get_confidence_intervals_error_bars_and_a_best_command(tmp_path: Path) -> None:
-    """Three seeds of two configurations: mean, std and 95% t interval per group, which group is best and which
-    is within noise of it, an error-bar PNG, and the command line that reruns the best group."""
-    taus = {0.5: [3.0, 3.2, 3.4], 1.0: [3.1, 3.3, 3.5], 2.0: [2.0, 2.1, 2.2]}
+    """Three seeds of four configurations: mean, std and 95% t interval per group, which group is best and which
+    is within noise of it (seed by seed), an error-bar PNG, and the command line that reruns the best group."""
+    taus = {0.5: [3.0, 3.4, 3.2], 0.7: [3.0, 3.21, 3.39], 1.0: [3.1, 3.3, 3.5], 2.0: [2.0, 2.1, 2.2]}
     for j, (alpha, seeds) in enumerate(taus.items()):
         for s, tau in enumerate(seeds):
             cfg = base_config(tmp_path / f"{j}_{s}", loss={"streak_alpha": alpha}, train={"seed": s})
@@ -448,7 +448,14 @@ def test_seed_groups_get_confidence_intervals_error_bars_and_a_best_command(tmp_
     assert by_alpha[1.0][columns.index("eval/tau mean")] == pytest.approx(3.3)
     assert ci == pytest.approx(4.303 * 0.2 / 3**0.5, rel=1e-3)  # t(0.975, 2) * s / sqrt(n)
     marks = {a: by_alpha[a][columns.index("eval/tau vs best")] for a in taus}
-    assert marks == {1.0: "best", 0.5: "within noise", 2.0: "worse"}
+    # 0.7's interval overlaps the best's, but it is 0.1 lower on every seed: paired by seed, that is no noise
+    assert marks == {1.0: "best", 0.5: "within noise", 0.7: "worse", 2.0: "worse"}
+    delta, half = (by_alpha[0.5][columns.index(c)] for c in ("eval/tau Δ best", "eval/tau Δ ci95"))
+    assert delta == pytest.approx(-0.1) and half == pytest.approx(4.303 * 0.2 / 3**0.5, rel=1e-3)
+    assert by_alpha[0.7][columns.index("eval/tau Δ best")] == pytest.approx(-0.1)
+    # without a seed to pair by, only the intervals' overlap is left: 0.7 is then within noise
+    _, unpaired = group_table(groups, ["eval/tau"], pair_key=None)
+    assert unpaired[rows.index(by_alpha[0.7])][columns.index("eval/tau vs best")] == "within noise"
 
     png = tmp_path / "groups.png"
     assert main([str(tmp_path), "--group-by", "--plot", str(png), "--plot-metric", "eval/tau"]) == 0

@@ -493,3 +493,20 @@ def test_cli_on_run_dir(saved_drafter, tiny_dir, tmp_path):
 
 def test_generation_result_decode_tokens():
     assert GenerationResult([1, 2, 3], [2], 1, 0.1).decode_tokens == 2
+
+
+def test_eval_prompts_follow_eval_seed_not_the_training_seed(tiny_tokenizer) -> None:
+    """Runs of different training seeds are measured on the same prompts (eval.seed), so their taus differ by
+    training alone; another eval.seed chooses other prompts."""
+    from conftest import compose_config
+
+    from dflash.evaluation.evaluator import Evaluator
+
+    def prompts(*overrides: str) -> list[list[int]]:
+        cfg = compose_config(["model=tiny_random", "eval.baselines=false", "eval.num_prompts=4", *overrides])
+        return Evaluator(cfg, None, None, tiny_tokenizer, run=None).prompts
+
+    seed0 = prompts("train.seed=0")
+    assert len(seed0) == 4
+    assert prompts("train.seed=1") == seed0
+    assert prompts("train.seed=1", "eval.seed=1") != seed0

@@ -97,11 +97,19 @@ def test_evaluate_cli_reproduces_the_runs_final_eval(tmp_path, cache_dir, tiny_t
     prompts recorded in eval.json, the run's settings and seed, and the same acceptance lengths."""
     run_dir = tmp_path / "run"
     launch(
-        ["experiment=smoke", f"hydra.run.dir={run_dir}", "train.max_steps=8", "train.seed=5", "eval.num_prompts=3"],
+        [
+            "experiment=smoke",
+            f"hydra.run.dir={run_dir}",
+            "train.max_steps=8",
+            "train.seed=5",  # the drafter's init: the untrained baseline must be rebuilt with it
+            "eval.seed=7",  # the prompts and sampling
+            "eval.num_prompts=3",
+        ],
         cache_dir,
         check=True,
     )
     ran = json.loads((run_dir / "eval.json").read_text())
+    assert ran["seed"] == 7
     assert len(ran["prompts"]) == 3 and all(isinstance(t, int) for p in ran["prompts"] for t in p)
     out = tmp_path / "again.json"
     env = {**os.environ, "DFLASH_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1"}

@@ -79,12 +79,24 @@ def _setting(cli_value, run_cfg, key: str, default, recorded: dict | None = None
 
 
 def _seed(args, inputs: _Inputs) -> int:
-    """--seed, else the run's train.seed (its eval prompts, sampling and untrained baseline used it), else 0."""
+    """--seed, else the seed the run's eval used (eval.json), else its eval.seed (train.seed in runs older than
+    eval.seed), else 0: it chooses the prompts and seeds sampling."""
     if args.seed is not None:
         return args.seed
     if inputs.replay and (inputs.run_eval or {}).get("seed") is not None:
         return int(inputs.run_eval["seed"])
-    return int(OmegaConf.select(inputs.run_cfg, "train.seed", default=0)) if inputs.run_cfg is not None else 0
+    if inputs.run_cfg is None:
+        return 0
+    eval_seed = OmegaConf.select(inputs.run_cfg, "eval.seed", default=None)
+    return int(eval_seed if eval_seed is not None else OmegaConf.select(inputs.run_cfg, "train.seed", default=0))
+
+
+def _init_seed(args, inputs: _Inputs) -> int:
+    """The seed the run initialised its drafter with (train.seed): the untrained baseline's; a bare drafter's
+    is unknown, so --seed or 0."""
+    if inputs.run_cfg is not None and OmegaConf.select(inputs.run_cfg, "train.seed", default=None) is not None:
+        return int(OmegaConf.select(inputs.run_cfg, "train.seed"))
+    return args.seed or 0
 
 
 def _load_prompts(args, inputs: _Inputs, tokenizer) -> list[list[int]]:
@@ -133,7 +145,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-baselines", action="store_true", help="skip prompt lookup and the untrained drafter")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES], help="auto = the drafter's saved dtype")
-    ap.add_argument("--seed", type=int, help="default: the run's train.seed, else 0")
+    ap.add_argument("--seed", type=int, help="prompts and sampling; default: the seed the run's eval used, else 0")
     ap.add_argument("--out", default="eval.json", help="where to write the JSON result")
     return ap.parse_args(argv)
 
@@ -196,7 +208,7 @@ def _run_cli(args: argparse.Namespace) -> dict[str, Any]:
         temperature=temperature,
         baselines=baselines,
         ngram=ngram,
-        untrained_drafter=untrained_like(drafter, seed) if baselines else None,
+        untrained_drafter=untrained_like(drafter, _init_seed(args, inputs)) if baselines else None,
         seed=seed,
         eos_id=tokenizer.eos_token_id,
         tokenizer=tokenizer,

@@ -280,7 +280,7 @@ class Evaluator:
     ):
         self.cfg = cfg.eval
         self.block_size = cfg.model.block_size
-        self.seed = cfg.train.seed
+        self.seed = cfg.eval.seed
         self.world = world or World()
         self.target, self.drafter, self.tokenizer, self.run = target, drafter, tokenizer, run
         self.model = drafter  # the run sets the DDP/FSDP-wrapped drafter here

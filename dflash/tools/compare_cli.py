@@ -232,7 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="one row per group with n, mean and sample std of each metric; alone (or 'auto') "
         "groups runs whose configs are identical except --seed-key (put it after the DIRs)",
     )
-    p.add_argument("--seed-key", default=DEFAULT_SEED_KEY, help="config key that --group-by auto ignores")
+    p.add_argument(
+        "--seed-key",
+        default=DEFAULT_SEED_KEY,
+        help="config key that --group-by auto ignores; runs of two groups with the same value are compared "
+        "pair by pair in `vs best`",
+    )
     p.add_argument("--format", choices=FORMATS, default="table")
     p.add_argument("--all-keys", action="store_true", help="show every config key, not only the differing ones")
     p.add_argument(
@@ -301,7 +306,7 @@ def run_cli(args: argparse.Namespace) -> str:
         if args.best:
             check_keys([args.best], runs, "--best")
             return best_command(runs, groups, args.best, args.seed_key)
-        columns, rows = group_table(groups, args.metrics, args.seed_key if by is None else None)
+        columns, rows = group_table(groups, args.metrics, args.seed_key if by is None else None, pair_key=args.seed_key)
         title = f"{len(runs)} runs in {len(groups)} groups"
     else:
         runs = sort_items(runs, sort, lambda r, k: r.get(k))
