@@ -20,7 +20,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- ablation_loss:begin -->", "<!-- ablation_loss:end -->"
-METRICS = "eval/tau,train/avg_streak,train/loss"
+METRICS = "eval/tau,train/avg_streak"  # train/loss is not comparable across losses
 
 
 def table(sweep: Path, metrics: str) -> str:
