@@ -160,14 +160,16 @@ def plot_groups(groups: Sequence, metric: str, out: str | os.PathLike) -> Path:
         mean = group_mean(g, metric)
         if mean is None:
             continue
-        labels.append(", ".join(f"{k}={human(v, k)}" for k, v in g.key.items()) + f" (n={len(g.runs)})")
+        # one key per line: long override lists stay readable under their own bar
+        labels.append("\n".join([*(f"{k}={human(v, k)}" for k, v in g.key.items()), f"n={len(g.runs)}"]))
         means.append(mean)
         errors.append(group_ci95(g, metric) or 0.0)
     if not means:
         raise ValueError(f"--plot-metric {metric!r}: no group has a final value of it")
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(means) + 3), 5))
+    lines = max(label.count("\n") + 1 for label in labels)
+    fig, ax = plt.subplots(figsize=(max(6, 2.0 * len(means) + 1), 4 + 0.2 * lines))
     ax.errorbar(range(len(means)), means, yerr=errors, fmt="o", capsize=6)
-    ax.set_xticks(range(len(means)), labels, rotation=20, ha="right", fontsize="small")
+    ax.set_xticks(range(len(means)), labels, fontsize="small")
     ax.set_ylabel(f"{metric} (mean, 95% CI over seeds)")
     ax.set_title(f"{metric} by group")
     ax.grid(alpha=0.3)
