@@ -19,8 +19,9 @@ from omegaconf import OmegaConf
 
 from dflash import rundir
 from dflash.rundir import find_runs, load_run
-from dflash.tools.compare import compare_table, diff_table, group_runs, group_table
+from dflash.tools.compare import compare_table, diff_table
 from dflash.tools.compare_cli import main, render
+from dflash.tools.seed_groups import group_runs, group_table
 from dflash.tools.sweep import SWEEP_FILE, SweepSummaryCallback
 
 REPO = Path(__file__).resolve().parents[1]

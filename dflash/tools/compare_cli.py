@@ -31,18 +31,14 @@ from dflash.tools.compare import (
     config_cell,
     diff_table,
     filter_runs,
-    group_ci95,
-    group_mean,
-    group_runs,
-    group_table,
     human,
     is_ignored,
-    lower_is_better,
     machine_value,
     parse_sort,
     sort_items,
     varying_keys,
 )
+from dflash.tools.seed_groups import group_ci95, group_mean, group_runs, group_table, lower_is_better
 
 log = logging.getLogger(__name__)
 
