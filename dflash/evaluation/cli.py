@@ -94,9 +94,8 @@ def _seed(args, inputs: _Inputs) -> int:
 def _init_seed(args, inputs: _Inputs) -> int:
     """The seed the run initialised its drafter with (train.seed): the untrained baseline's; a bare drafter's
     is unknown, so --seed or 0."""
-    if inputs.run_cfg is not None and OmegaConf.select(inputs.run_cfg, "train.seed", default=None) is not None:
-        return int(OmegaConf.select(inputs.run_cfg, "train.seed"))
-    return args.seed or 0
+    seed = OmegaConf.select(inputs.run_cfg, "train.seed", default=None) if inputs.run_cfg is not None else None
+    return int(seed) if seed is not None else (args.seed or 0)
 
 
 def _load_prompts(args, inputs: _Inputs, tokenizer) -> list[list[int]]:

@@ -119,8 +119,8 @@ def _values_by_seed(group: RunGroup, metric: str, seed_key: str) -> dict[str, fl
 
 def paired_difference(
     group: RunGroup, other: RunGroup, metric: str, seed_key: str = DEFAULT_SEED_KEY
-) -> tuple[float, float, int] | None:
-    """Mean and 95% t half-width of `group - other` over the seeds both ran, and how many; None below two
+) -> tuple[float, float] | None:
+    """Mean and 95% t half-width of `group - other` over the seeds both ran; None below two
     shared seeds. Runs of one seed share the drafter's init, data order and anchors (and the eval prompts), so
     what a seed adds to both cancels: far narrower than comparing the two groups' own intervals."""
     a, b = _values_by_seed(group, metric, seed_key), _values_by_seed(other, metric, seed_key)
@@ -129,7 +129,7 @@ def paired_difference(
     diffs = [a[s] - b[s] for s in a if s in b]
     if len(diffs) < 2:
         return None
-    return statistics.fmean(diffs), _ci95(diffs), len(diffs)
+    return statistics.fmean(diffs), _ci95(diffs)
 
 
 def lower_is_better(metric: str) -> bool:
@@ -166,7 +166,7 @@ def versus_best(groups: Sequence[RunGroup], metric: str, seed_key: str | None = 
         elif means[i] is None:
             out.append(VersusBest())
         elif paired is not None:
-            delta, half, _ = paired
+            delta, half = paired
             out.append(VersusBest("within noise" if abs(delta) <= half else "worse", delta, half))
         elif group_ci95(g, metric) is None or group_ci95(groups[best], metric) is None:
             out.append(VersusBest("n<2", means[i] - means[best]))
