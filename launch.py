@@ -36,8 +36,8 @@ def _route_resume(argv: list[str]) -> list[str]:
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     from dflash import interrupts
-    from dflash.run import RunInterrupted
-    from dflash.run import main as run_main
+    from dflash.lifecycle import RunInterrupted
+    from dflash.lifecycle import main as run_main
 
     try:
         return run_main(cfg)
@@ -50,5 +50,5 @@ if __name__ == "__main__":
     from dflash.distributed import agree_on_launch, shutdown
 
     atexit.register(shutdown)  # torchrun: leave the process group once, after every job of a multirun
-    sys.argv = agree_on_launch(_route_resume(sys.argv), Path(__file__).parent / "conf" / "config.yaml")
+    sys.argv = agree_on_launch(_route_resume(sys.argv), Path(__file__).parent / "conf")
     main()

@@ -228,6 +228,8 @@ class DebugConfig:
     crash_at_step: int | None = None  # SIGKILL the whole process after this step (a node crash)
     fail_rank: int | None = None  # with torchrun: inject the faults above on this rank only (null = every rank)
     slow_step_s: float | None = None  # sleep this long in every drafter step (a slow drafter, for back-pressure)
+    nan_at_step: int | None = None  # from this step on the loss is NaN (divergence drills: train.max_bad_steps)
+    main_first_sleep_s: float | None = None  # rank 0 sleeps this long in its first data build (init timeouts)
 
 
 @dataclass

@@ -50,7 +50,8 @@ def _rss_mb() -> float:
 def serve_target(cfg: DictConfig, world: World, run: RunDir) -> None:
     """A target rank's whole job: load the target and the data, then send features until its drafters stop.
     Its link totals go to `target_rank<r>.json` in the run directory."""
-    ensure_target(cfg.model)
+    # rank 0 builds the embedded target first (transformers writes a model only on rank 0 under torch.distributed)
+    world.main_first(lambda: ensure_target(cfg.model))
     layer_ids = resolve_target_layer_ids(cfg.model, load_target_config(cfg.model.target).num_hidden_layers)
     tokenizer = load_tokenizer(cfg.model.target)
     target = TargetModel.load(cfg.model.target, layer_ids, cfg.model.dtype, str(world.device))
@@ -61,7 +62,7 @@ def serve_target(cfg: DictConfig, world: World, run: RunDir) -> None:
     start = world.broadcast_to_all(None)  # rank 0's data position after its resume
     peers = world.drafters_of(world.rank)
     device = transport_device(world)
-    senders = {d: Sender(d, cfg.parallel.items_in_flight, _timeout(cfg), device=device) for d in peers}
+    senders = {d: Sender(d, cfg.parallel.items_in_flight, _timeout(cfg), world.links[d], device) for d in peers}
     forward = TargetForward(target, device, cfg.debug.fail_target_at_batch)
     log.warning("target rank %d: feeding drafter ranks %s from batch %s", world.rank, peers, tuple(start))
     t0, batches, peak = time.monotonic(), 0, 0
@@ -115,6 +116,7 @@ class FeatureSource:
             cfg.parallel.items_in_flight,
             _timeout(cfg),
             build=lambda seq, ints, tensors: item_from_wire(seq, ints, tensors, device),
+            link=world.links[self.peer],
             device=transport_device(world),
         )
         self._last = (0, 0, 0.0)

@@ -1,20 +1,16 @@
 """One job, wired: the only module that knows all the parts (docs/architecture.md). No training logic of its own.
 
-`main(cfg)` (called by launch.py inside Hydra) owns the job's exit paths: status.json is `running` first and
-always ends `completed`, `failed` (with the error) or `interrupted`. `train(cfg, run_dir, ...)` reads as
-build, resume, run, finish; it never touches Hydra, so tests call it directly.
+`train(cfg, run_dir, ...)` reads as build, resume, run, finish; it never touches Hydra, so tests call it
+directly. The process around it (status.json, signals, exit paths, which rank writes) is `lifecycle.main`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
-import signal
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,35 +18,30 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dflash import determinism, interrupts
-from dflash.config import ConfigError, validate
+from dflash.config import ConfigError
 from dflash.data.batches import rank_batches
 from dflash.data.corpus import jsonl_files, load_tokenizer
 from dflash.data.fingerprint import data_fingerprint
 from dflash.data.training_data import TrainingData, run_training_data
 from dflash.disaggregated import FeatureSource, serve_target
-from dflash.distributed import World, init_world, launch_rank
+from dflash.distributed import World
 from dflash.evaluation.evaluator import Evaluator
-from dflash.job_info import JobInfo, hydra_job_info
+from dflash.job_info import JobInfo
 from dflash.model.build import build_drafter_config, init_drafter, resolve_mask_token_id, resolve_target_layer_ids
 from dflash.model.export import export_drafter
 from dflash.model.target import DTYPES, TargetHeads, TargetModel, load_target_config, resolve_device
-from dflash.resume import check_data_unchanged, resume_config
-from dflash.rundir import RunDir, StatusFile, cpu_model
+from dflash.resume import check_data_unchanged
+from dflash.rundir import RunDir, cpu_model
 from dflash.secrets import redact
-from dflash.terminal import display, install_logging, uninstall_logging
 from dflash.tools.report import write_report
 from dflash.tools.tiny import ensure_target
 from dflash.tracking import CallbackList, RunInfo, build_callbacks
 from dflash.train.checkpointer import CheckpointManager
 from dflash.train.parallelize import full_state_dict, parallelize_drafter, plain_copy
 from dflash.train.pipeline import Pipeline
-from dflash.train.trainer import DrafterTrainer, TargetForward, total_steps
+from dflash.train.trainer import DrafterTrainer, TargetForward, TrainingDiverged, total_steps
 
 log = logging.getLogger(__name__)
-
-
-class RunInterrupted(Exception):
-    """SIGINT / SIGTERM stopped the run (after a checkpoint)."""
 
 
 @dataclass
@@ -66,7 +57,7 @@ class TrainResult:
 class Job:
     """Everything a run trains with, built from the config by `build_job`."""
 
-    target: TargetModel
+    target: TargetModel | None  # None on a drafter rank of parallel.target_ranks other than rank 0 (heads only)
     drafter: torch.nn.Module
     device: torch.device
     data: TrainingData
@@ -84,78 +75,6 @@ class Job:
             return self.drafter
         state = full_state_dict(self.model, self.world)
         return plain_copy(self.drafter, state, self.device) if self.world.is_main else None
-
-
-def main(cfg: DictConfig, info: JobInfo | None = None) -> float | None:
-    """Run one job in its Hydra run directory. Returns the final eval/tau (Hydra sweepers may use it).
-    Under torchrun every rank runs this; rank 0 alone writes the run directory."""
-    info = info or hydra_job_info()
-    run = RunDir(info.run_dir)
-    if cfg.resume:  # checked before anything is written: a refused resume leaves RUN_DIR as it was
-        cfg = resume_config(cfg, info.run_dir, info.overrides)
-        validate(cfg)
-    is_main = launch_rank() == 0  # known before the World exists: joining it may fail, and that is recorded
-    replaced_handlers = install_logging()  # on a terminal, logs scroll above the live progress rows
-    status = StatusFile(run.path) if is_main else None
-    if is_main:
-        run.path.mkdir(parents=True, exist_ok=True)
-        status.running()
-    stop = interrupts.stop_event()  # the long phases (target build, regeneration, evals) watch it too
-    stop.clear()
-    previous = interrupts.install_signal_handlers(
-        stop,
-        lambda name: (
-            status and status.finish("interrupted", error=f"second {name}: exited at once, without a final checkpoint")
-        ),
-    )
-    world = None
-    try:
-        if is_main:
-            run.write_config(cfg)
-            if cfg.resume:
-                run.append_resume(info.overrides)
-            else:
-                run.write_run_info(info.overrides, info.choices)
-        if not cfg.resume:  # after the files above: a fresh run's bad config still leaves status.json = failed
-            validate(cfg)
-        world = init_world(cfg.parallel, cfg.model.device)
-        if is_main:
-            run.add_run_info("world", world.describe(), resumed=bool(cfg.resume))
-        result = train(cfg, run.path, info, stop, world)
-        if is_main:
-            status.finish(result.status, error=result.reason)
-        if result.status == "interrupted":
-            raise RunInterrupted(result.reason or "interrupted")
-        return result.summary.get("eval/tau")
-    except RunInterrupted:
-        raise
-    except interrupts.Interrupted as e:  # before training started (target build, data regeneration)
-        if is_main:
-            status.finish("interrupted", error=f"{e}; not done: training, export, final eval")
-        raise RunInterrupted(str(e)) from None
-    except KeyboardInterrupt:
-        if is_main:
-            status.finish("interrupted", error="KeyboardInterrupt")
-        raise
-    except BaseException as e:  # noqa: BLE001 - status.json must say failed for every way a job dies
-        error = f"{type(e).__name__}: {e}"
-        if world is not None and world.size > 1:
-            if is_main:  # the first rank that failed, which is often not rank 0 (the others fail in a collective)
-                error = world.first_failure() or f"rank 0: {error}"
-            else:
-                world.report_failure(error)
-        if is_main:
-            status.finish("failed", error=error, traceback=traceback.format_exc(limit=20))
-        raise
-    finally:
-        display().stop()
-        uninstall_logging(replaced_handlers)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
 
 
 def train(
@@ -262,7 +181,8 @@ def build_job(cfg: DictConfig, run: RunDir, world: World | None = None) -> Job:
     """Target, tokenizer, data, drafter, trainer and the managers; every cheap check before the heavy loads.
     Every rank builds the same job; the drafter is wrapped for data parallelism after its untrained copy."""
     world = world or World()
-    ensure_target(cfg.model)
+    # rank 0 builds the embedded target first (transformers writes a model only on rank 0 under torch.distributed)
+    world.main_first(lambda: ensure_target(cfg.model))
     target_config = load_target_config(cfg.model.target)
     layer_ids = resolve_target_layer_ids(cfg.model, target_config.num_hidden_layers)
     tokenizer = load_tokenizer(cfg.model.target)
@@ -276,13 +196,21 @@ def build_job(cfg: DictConfig, run: RunDir, world: World | None = None) -> Job:
     par = cfg.parallel
     device = world.device if world.distributed else resolve_device(par.get("drafter_device") or cfg.model.device)
     places = par.get("target_devices") or [str(world.device if world.distributed else resolve_device(cfg.model.device))]
-    replicas = [TargetModel.load(cfg.model.target, layer_ids, cfg.model.dtype, d) for d in places]
-    target = replicas[0]
+    # parallel.target_ranks: a drafter rank that runs no evals needs only the embedding and LM head (the target
+    # ranks compute its features); a 27B target must not share a GPU with the drafter's optimizer
+    lean = bool(world.target_ranks) and not world.is_main
+    replicas = [] if lean else [TargetModel.load(cfg.model.target, layer_ids, cfg.model.dtype, d) for d in places]
+    target = replicas[0] if replicas else None
     # hashed once (rank 0), not by every rank: the files can be gigabytes
     fingerprint = world.broadcast_object(data_fingerprint(cfg.data, cfg.model.target) if world.is_main else None)
-    data = world.main_first(  # data=jsonl under torchrun: rank 0 renders into the cache, then the others load it
-        lambda: run_training_data(cfg, tokenizer, target.model, fingerprint)
-    )
+
+    def build_data() -> TrainingData:
+        if world.is_main and cfg.debug.main_first_sleep_s:  # a slow first render (parallel.init_timeout_s drills)
+            interrupts.stop_event().wait(cfg.debug.main_first_sleep_s)
+            interrupts.check("the data build")
+        return run_training_data(cfg, tokenizer, target.model if target else None, fingerprint)
+
+    data = world.main_first(build_data)  # data=jsonl under torchrun: rank 0 renders into the cache, then the others
     drafter_config = build_drafter_config(target_config, cfg.model, layer_ids, mask_id)
     drafter = init_drafter(drafter_config, cfg.train.seed, device, DTYPES[cfg.model.dtype])
     log.info(
@@ -306,7 +234,10 @@ def build_job(cfg: DictConfig, run: RunDir, world: World | None = None) -> Job:
         checkpoints.maybe_save(trainer)
         evaluator.maybe_eval(trainer)
 
-    heads = target if target.device == device else TargetHeads(target, device)  # what the trainer reads of it
+    if target is None:
+        heads = TargetHeads.load(cfg.model.target, cfg.model.dtype, device)  # what the trainer reads of the target
+    else:
+        heads = target if target.device == device else TargetHeads(target, device)
     trainer = DrafterTrainer(cfg, heads, drafter, mask_id, total_steps(cfg.train), after_step, world, model)
     return Job(target, drafter, device, data, trainer, checkpoints, evaluator, world, model, replicas)
 
@@ -314,7 +245,7 @@ def build_job(cfg: DictConfig, run: RunDir, world: World | None = None) -> Job:
 def run_pipeline(cfg: DictConfig, job: Job, stop: threading.Event, on_tick) -> str:
     """Train until done or stopped; returns `completed` or `interrupted`. The final checkpoint is written on
     every way out (lose at most the current step), unless a drafter thread may still be changing the weights
-    or, under data parallelism, the run failed (ranks out of step cannot save together)."""
+    or, under data parallelism, the run failed other than by divergence (ranks out of step cannot save together)."""
     pipeline = None
     world = job.world
     features = FeatureSource(cfg, world, job.device) if world.target_ranks else None
@@ -357,13 +288,24 @@ def run_pipeline(cfg: DictConfig, job: Job, stop: threading.Event, on_tick) -> s
                 "final checkpoint or export was written. Resume from the last checkpoint; raise "
                 "pipeline.join_timeout_s if steps or evals of this model take longer"
             )
-    except BaseException:
-        # ranks that failed have left the lockstep: a collective save could hang, so only one process saves
-        if not job.world.distributed and not _drafter_still_running(pipeline):
-            job.checkpoints.save_final(job.trainer)
+    except BaseException as e:
+        # ranks that failed have left the lockstep: a collective save could hang, so only one process saves;
+        # except on divergence, which every rank detects at the same step (from the all-reduced loss)
+        in_step = not world.distributed or _caused_by(e, TrainingDiverged)
+        if in_step and not _drafter_still_running(pipeline):
+            job.checkpoints.save_final(job.trainer)  # the last good state: a diverged step changes no weight
         raise
     job.checkpoints.save_final(job.trainer)
     return "interrupted" if interrupted else "completed"
+
+
+def _caused_by(error: BaseException, kind: type) -> bool:
+    """`error` is `kind`, or was raised from one (a pipeline stage wraps its exception in StageError)."""
+    while error is not None:
+        if isinstance(error, kind):
+            return True
+        error = error.__cause__
+    return False
 
 
 def _pass_through(item):
@@ -381,6 +323,7 @@ def _ticker(job: Job, callbacks: CallbackList, summary: dict, t_start: float):
     last = {"tokens": job.trainer.tokens, "time": time.time()}
 
     def on_tick(sample: dict) -> None:
+        sample = {**sample, **job.trainer.memory_sample()}
         job.trainer.local_perf = sample
         if not job.world.is_main:
             return

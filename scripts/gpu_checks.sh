@@ -7,7 +7,8 @@
 #   4. issue 13: data-parallel training with NCCL: DDP and FSDP2 (bf16 mixed precision) on the GPUs there are
 #      (2 ranks need 2 GPUs; on 1 GPU a 1-rank world checks the NCCL/FSDP2/DCP path), and the dist bench
 #   5. issue 15: parallel.target_devices/drafter_device in one process (non-blocking device copies), and on 2
-#      GPUs 1 target rank + 1 drafter rank (parallel.target_ranks=1) over NCCL point-to-point
+#      GPUs 1 target rank + 1 drafter rank (parallel.target_ranks=1) over NCCL point-to-point (issue 23: items
+#      and credits on separate communicators; on 3 GPUs also 1 target + 2 drafter ranks)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -45,6 +46,12 @@ if [ "$NGPU" -ge 2 ]; then
     > "$OUT/disagg.log" 2>&1
   echo "1 target + 1 drafter rank (nccl): exit $?; status: $(tr -d '\n ' < "$OUT/disagg/status.json" 2>/dev/null)"
   cat "$OUT/disagg/target_rank1.json" 2>/dev/null
+  if [ "$NGPU" -ge 3 ]; then  # two links on one target rank: each link's items and credits on their own groups
+    timeout 300 "$PY" -m torch.distributed.run --standalone --nproc-per-node=3 launch.py experiment=smoke \
+      parallel=ddp parallel.target_ranks=1 train.batch_size=4 train.max_steps=20 "hydra.run.dir=$OUT/disagg3" \
+      > "$OUT/disagg3.log" 2>&1
+    echo "1 target + 2 drafter ranks (nccl): exit $?; status: $(tr -d '\n ' < "$OUT/disagg3/status.json" 2>/dev/null)"
+  fi
 else
   echo "disaggregated NCCL run skipped: needs 2 GPUs"
 fi

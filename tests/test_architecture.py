@@ -36,6 +36,7 @@ LAYERS = {
     "dflash.resume": 5,
     "dflash.job_info": 5,
     "dflash.run": 5,
+    "dflash.lifecycle": 5,
     "dflash.disaggregated": 5,
     "dflash.tools": 5,  # the top floor, with run.py (which builds the embedded tiny target on first use)
 }

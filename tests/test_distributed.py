@@ -16,8 +16,9 @@ import torch
 from conftest import REPO, launch
 from safetensors.torch import load_file
 
+from dflash.config import register_configs
 from dflash.data.batches import Batch, rank_batches, rank_slice
-from dflash.distributed import World, init_world
+from dflash.distributed import World, init_world, launch_settings
 
 SMALL = ["experiment=smoke", "pipeline=sync", "train.batch_size=4", "eval.num_prompts=0"]
 
@@ -108,6 +109,21 @@ def test_single_world_needs_no_process_group(monkeypatch):
         init_world(type("P", (), {"name": "single"})())
 
 
+def test_launch_settings_come_from_the_composed_config():
+    """torchrun joins the process group before Hydra runs: with the backend and init timeout the command line's
+    config asks for (config files and experiments included); a sweep's values are left to init_world."""
+    register_configs()
+    conf = REPO / "conf"
+    argv = ["launch.py", "parallel=ddp", "parallel.init_timeout_s=5", "hydra.run.dir=/tmp/x"]
+    assert launch_settings(argv, conf) == ("auto", 5.0)
+    assert launch_settings(["launch.py", "-m", "parallel=fsdp", "parallel.backend=gloo", "train.seed=0,1"], conf) == (
+        "gloo",
+        300.0,
+    )
+    assert launch_settings(["launch.py", "parallel=ddp", "parallel.init_timeout_s=5,9"], conf) == ("auto", 300.0)
+    assert launch_settings(["launch.py", "parallel=ddp", "parallel.no_such_key=1"], conf) == ("auto", 300.0)
+
+
 # ----------------------------------------------------------------------------------------- torchrun
 
 
@@ -122,6 +138,7 @@ def one_rank_reference(tmp_path_factory, cache_dir, tiny_target) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_train_like_one_rank(parallel, one_rank_reference, tmp_path, cache_dir):
     """2 ranks x 2 sequences = 1 rank x 4 sequences: the same weights up to float round-off and the same loss."""
@@ -145,6 +162,7 @@ def test_two_ranks_train_like_one_rank(parallel, one_rank_reference, tmp_path, c
     assert json.loads((run_dir / "run.json").read_text())["world"]["size"] == 2
 
 
+@pytest.mark.slow
 def test_killed_ranks_resume_at_the_same_and_another_world_size(tmp_path, cache_dir, tiny_target):
     """SIGKILL of both ranks after the step-6 checkpoint; resumed with 2 ranks the run ends bitwise equal to an
     uninterrupted one, and it also resumes in 1 process; metrics.jsonl never repeats a step."""
@@ -185,6 +203,7 @@ def test_killed_ranks_resume_at_the_same_and_another_world_size(tmp_path, cache_
         assert not {r["step"] for r in records[:cut]} & {r["step"] for r in records[cut:]}, steps
 
 
+@pytest.mark.slow
 def test_an_exception_on_one_rank_ends_every_rank(tmp_path, cache_dir, tiny_target):
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
@@ -207,6 +226,7 @@ def test_an_exception_on_one_rank_ends_every_rank(tmp_path, cache_dir, tiny_targ
     assert "injected drafter-stage fault" in st["error"]
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_stops_every_rank_with_one_checkpoint(tmp_path, cache_dir, tiny_target):
     run_dir = tmp_path / "run"
     env = {**os.environ, "DFLASH_CACHE_DIR": str(cache_dir), "WANDB_MODE": "disabled"}
@@ -233,6 +253,7 @@ def test_sigterm_to_torchrun_stops_every_rank_with_one_checkpoint(tmp_path, cach
     assert not left.strip(), f"processes left behind: {left}"
 
 
+@pytest.mark.slow
 def test_two_ranks_write_one_run_directory(tmp_path, cache_dir, tiny_target):
     """One config snapshot, one metrics.jsonl, one offline W&B run; rank 1 keeps its own log."""
     run_dir = tmp_path / "run"
@@ -251,6 +272,7 @@ def test_two_ranks_write_one_run_directory(tmp_path, cache_dir, tiny_target):
     assert world["size"] == 2 and world["backend"] == "gloo" and world["nodes"] == 1
 
 
+@pytest.mark.slow
 def test_submitit_local_runs_the_slurm_code_path(tmp_path, cache_dir, tiny_target):
     """hydra/launcher=local_ddp: submitit starts 2 tasks that join one world from SLURM-style variables."""
     sweep = tmp_path / "sweep"
@@ -264,6 +286,7 @@ def test_submitit_local_runs_the_slurm_code_path(tmp_path, cache_dir, tiny_targe
     assert len(list((sweep / "0" / "checkpoints").glob("step_*/__1_0.distcp"))) >= 1  # rank 1 wrote its shard
 
 
+@pytest.mark.slow
 def test_dist_bench_prints_the_scaling_efficiency():
     """The benchmark's plumbing (not its numbers): 1 and 2 processes measured, one efficiency line."""
     proc = subprocess.run(
@@ -287,6 +310,7 @@ def test_dist_bench_prints_the_scaling_efficiency():
     assert "scaling efficiency" in proc.stdout and "        2 " in proc.stdout
 
 
+@pytest.mark.slow
 def test_multirun_under_torchrun_runs_the_jobs_in_turn_on_all_ranks(tmp_path, cache_dir, tiny_target):
     sweep = tmp_path / "sweep"
     torchrun(
@@ -297,3 +321,70 @@ def test_multirun_under_torchrun_runs_the_jobs_in_turn_on_all_ranks(tmp_path, ca
         assert json.loads((sweep / job / "run.json").read_text())["world"]["size"] == 2
     summary = json.loads((sweep / "sweep.json").read_text())
     assert summary["finished"] and [j["status"] for j in summary["jobs"]] == ["completed", "completed"]
+
+
+@pytest.mark.slow
+def test_init_timeout_from_the_config_ends_a_rank_waiting_for_rank_0(tmp_path, cache_dir, tiny_target):
+    """Rank 0 is slow in its first data build; parallel.init_timeout_s=5 (not the launch default of 300 s) ends
+    the waiting rank, and the error names the key to raise."""
+    run_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    args = [*SMALL, "parallel=ddp", "parallel.init_timeout_s=5", "+debug=faults", "debug.main_first_sleep_s=120"]
+    proc = torchrun([*args, f"hydra.run.dir={run_dir}"], cache_dir, timeout=150)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 60, proc.stderr[-3000:]
+    st = status(run_dir)
+    assert st["status"] == "failed" and st["error"].startswith("rank 1: "), st
+    assert "parallel.init_timeout_s=5 s" in st["error"], st["error"]
+
+
+@pytest.mark.slow
+def test_submitit_tasks_know_their_rank_and_a_fault_on_rank_1_is_the_jobs_error(tmp_path, cache_dir, tiny_target):
+    """hydra/launcher=local_ddp with a fault on rank 1: rank 0 alone writes the run's files and names rank 1 in
+    status.json, rank 1 logs to its own file, and the launching process reports rank 1's error (submitit
+    pickles it back), not an unpickling traceback."""
+    sweep = tmp_path / "sweep"
+    args = ["-m", "hydra/launcher=local_ddp", *SMALL, "parallel=ddp", "train.max_steps=20", "+debug=faults"]
+    proc = launch([*args, "debug.fail_at_step=3", "debug.fail_rank=1", f"hydra.sweep.dir={sweep}"], cache_dir)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "RankFailed: rank 1: " in out and "injected drafter-stage fault" in out, out[-3000:]
+    assert "TypeError" not in out, out[-3000:]
+    run_dir = sweep / "0"
+    st = status(run_dir)
+    assert st["status"] == "failed" and st["error"].startswith("rank 1: "), st["error"]
+    assert "injected drafter-stage fault" in st["error"]
+    rank1_log = (run_dir / "launch.rank1.log").read_text()
+    assert "rank 1 of 2 (drafter)" in rank1_log and "injected drafter-stage fault" in rank1_log
+    rank0_log = (run_dir / "launch.log").read_text()
+    assert "rank 1 of 2" not in rank0_log and "injected drafter-stage fault at step" not in rank0_log
+    # one writer of Hydra's files: rank 1's overrides never reach them
+    assert "launch.rank1.log" not in (run_dir / ".hydra" / "overrides.yaml").read_text()
+
+
+@pytest.mark.slow
+def test_a_diverged_ddp_run_checkpoints_its_last_good_state_and_resumes(tmp_path, cache_dir, tiny_target):
+    """NaN from step 4 on, train.max_bad_steps=2: both ranks stop at step 5 with one collective checkpoint;
+    a checkpoint that does not verify fails every rank at once; the run resumes from step 5."""
+    run_dir = tmp_path / "run"
+    common = [*SMALL, "parallel=ddp", "train.max_steps=8", "checkpoint.every_steps=3", "train.max_bad_steps=2"]
+    proc = torchrun([*common, "+debug=faults", "debug.nan_at_step=4", f"hydra.run.dir={run_dir}"], cache_dir)
+    assert proc.returncode != 0
+    st = status(run_dir)
+    assert st["status"] == "failed" and "TrainingDiverged" in st["error"], st
+    step_5 = run_dir / "checkpoints" / "step_5"
+    assert sorted(p.name for p in step_5.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(run_dir, corrupt)
+    for ckpt in (corrupt / "checkpoints").iterdir():
+        shard = ckpt / "__1_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:-16])
+    t0 = time.monotonic()
+    proc = torchrun([f"resume={corrupt}", "debug.nan_at_step=null"], cache_dir, timeout=120)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 60
+    assert "no checkpoint of this run verifies" in status(corrupt)["error"]
+
+    torchrun([f"resume={run_dir}", "debug.nan_at_step=null"], cache_dir, check=True)
+    assert status(run_dir)["status"] == "completed"
+    steps = [r["step"] for r in train_records(run_dir)]
+    assert steps[-1] == 8 and (run_dir / "checkpoints" / "step_8").is_dir(), steps

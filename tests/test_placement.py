@@ -41,3 +41,25 @@ def test_placement_needs_one_process():
     cfg = compose_config(["parallel=ddp", "parallel.drafter_device=cuda:1"])
     with pytest.raises(ConfigError, match="parallel.target_devices/drafter_device"):
         validate(cfg)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_target_heads_load_reads_only_the_embedding_and_lm_head(tmp_path, tied):
+    """A drafter rank of parallel.target_ranks reads the two tensors from the target's files (the rest of the
+    model is never materialised): the same values as the loaded target's, tied or not (Qwen3-8B is untied)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, tie_word_embeddings=tied,
+    )  # fmt: skip
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path)
+    target = TargetModel.load(str(tmp_path), [0], "float32", "cpu")
+    assert (target.lm_head.weight is target.embed_tokens.weight) == tied
+    heads = TargetHeads.load(str(tmp_path), "float32", torch.device("cpu"))
+    assert torch.equal(heads.embed_tokens.weight, target.embed_tokens.weight)
+    assert torch.equal(heads.lm_head.weight, target.lm_head.weight)
+    assert (heads.lm_head is heads.embed_tokens) == tied
+    assert not any(p.requires_grad for p in heads.parameters())
+    assert sum(p.numel() for p in heads.parameters()) == (1 if tied else 2) * 96 * 32

@@ -148,6 +148,30 @@ def test_truncated_checkpoint_is_ignored(tmp_path):
     assert latest_checkpoint(tmp_path).name == "step_4"
 
 
+def test_resume_hashes_a_checkpoint_once(tmp_path, monkeypatch):
+    """The newest checkpoint is verified once (by rank 0 under data parallelism, its verdict broadcast), then
+    loaded without hashing its files again."""
+    from dflash.train import checkpoint
+    from dflash.train.checkpointer import CheckpointManager
+
+    d = make_drafter()
+    save_checkpoint(tmp_path, d, _Trainer(4).state_dict(), {}, keep_last=3)
+    hashed = []
+    real = checkpoint.file_digest
+    monkeypatch.setattr(checkpoint, "file_digest", lambda path: hashed.append(Path(path).name) or real(path))
+
+    class T:
+        step = 0
+
+        def load_state_dict(self, state):
+            self.step = state["step"]
+
+    cfg = type("C", (), {"enabled": True, "every_steps": 0, "keep_last": 3})()
+    trainer = T()
+    assert CheckpointManager(cfg, tmp_path, make_drafter(seed=5), "target").resume(trainer) == 4
+    assert sorted(hashed) == sorted(set(hashed)) and len(hashed) >= 2, hashed
+
+
 def test_keep_last_prunes(tmp_path):
     d = make_drafter()
     for step in (1, 2, 3, 4):

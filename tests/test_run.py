@@ -254,7 +254,7 @@ def test_drafter_stuck_past_join_timeout_writes_no_final_checkpoint(
     import threading
 
     import dflash.evaluation.evaluator as evaluator_module
-    from dflash.run import JobInfo, main
+    from dflash.lifecycle import JobInfo, main
 
     release = threading.Event()
     real_evaluate = evaluator_module.evaluate
@@ -290,7 +290,7 @@ def test_failing_export_still_ends_the_callbacks(tmp_path, cache_dir, tiny_targe
     import logging
 
     import dflash.run
-    from dflash.run import JobInfo, main
+    from dflash.lifecycle import JobInfo, main
 
     def broken_export(*args, **kwargs):
         raise OSError("disk full")

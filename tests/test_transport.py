@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dflash.distributed import open_links
+from dflash.train import transport
 from dflash.train.transport import Receiver, Sender, TransportError
 
 
@@ -25,10 +27,25 @@ def _item(i: int) -> tuple[list[int], list[torch.Tensor]]:
 
 
 def _worker(rank: int, init: str, mode: str, out: dict) -> None:
+    """Rank 0 is the drafter, rank 1 its target (parallel.target_ranks=1 in a world of 2), with the link's two
+    groups as init_world opens them; every point-to-point call is recorded with its group."""
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    link = open_links(drafters=1, target_ranks=1, rank=rank, device=torch.device("cpu"), timeout_s=20)[1 - rank]
+    used = {"send": set(), "recv": set()}
+    real_isend, real_irecv = transport.dist.isend, transport.dist.irecv
+
+    def isend(tensor, dst, group=None, **kw):
+        used["send"].add(id(group))
+        return real_isend(tensor, dst, group=group, **kw)
+
+    def irecv(tensor, src, group=None, **kw):
+        used["recv"].add(id(group))
+        return real_irecv(tensor, src, group=group, **kw)
+
+    transport.dist.isend, transport.dist.irecv = isend, irecv
     try:
-        if rank == 0:  # the target side
-            sender = Sender(1, bound=2, timeout_s=20)
+        if rank == 1:  # the target side
+            sender = Sender(0, bound=2, timeout_s=20, link=link)
             peak = 0
             for i in range(12):
                 if not sender.send(*_item(i)):
@@ -39,7 +56,7 @@ def _worker(rank: int, init: str, mode: str, out: dict) -> None:
             sender.wait_for_stop()
             out["peak"], out["sent"] = peak, sender.stats.items
         else:
-            receiver = Receiver(0, bound=2, timeout_s=20, build=lambda seq, ints, tensors: (seq, ints, tensors))
+            receiver = Receiver(1, bound=2, timeout_s=20, build=lambda seq, ints, ts: (seq, ints, ts), link=link)
             got = []
             try:
                 for _ in range(10):
@@ -54,6 +71,8 @@ def _worker(rank: int, init: str, mode: str, out: dict) -> None:
                 for i, (seq, ints, tensors) in enumerate(got)
             )
             out["received"] = len(got)
+        # NCCL runs a communicator's p2p operations in order and ignores tags: no group may carry both directions
+        out[f"one_direction_per_group_{rank}"] = not used["send"] & used["recv"] and len(used["send"]) == 1
     finally:
         if mode != "die":
             dist.destroy_process_group()
@@ -76,14 +95,15 @@ def test_items_arrive_in_order_and_in_flight_stays_at_the_bound(tmp_path):
     out, codes = _run(tmp_path, "slow")
     assert codes == [0, 0], out
     assert out["ok"] and out["received"] == 10
+    assert out["one_direction_per_group_0"] and out["one_direction_per_group_1"]
     assert out["peak"] == 2  # the bound, reached because the drafter is slower
     assert out["sent"] <= 12
 
 
 def test_a_dead_target_fails_the_drafters_wait_naming_it(tmp_path):
     out, codes = _run(tmp_path, "die")
-    assert codes[0] == 3
-    assert "target rank 0" in out.get("error", ""), out
+    assert codes[1] == 3
+    assert "target rank 1" in out.get("error", ""), out
     assert out["received"] < 10
 
 

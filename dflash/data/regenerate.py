@@ -70,6 +70,11 @@ def regenerated_corpus(
         raw = json.loads(cache.read_text())
         log.info("regenerated data from cache %s (%d documents)", cache, len(raw))
         return [Document(d["ids"], [bool(m) for m in d["mask"]]) for d in raw]
+    if model is None:  # a drafter rank of parallel.target_ranks holds no target: rank 0 regenerates first
+        raise RuntimeError(
+            "data regeneration needs the target, which this rank does not load (parallel.target_ranks); "
+            "set paths.cache_dir so that rank 0's regenerated data is shared"
+        )
     texts = [read_text(p) for p in stdlib_files("train", data_cfg.holdout_fraction, data_cfg.max_files)]
     prompts = sample_prompts(tokenizer, texts, r.num_prompts, r.prompt_len, seed)
     device = next(model.parameters()).device

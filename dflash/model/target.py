@@ -109,17 +109,78 @@ class TargetModel(nn.Module):
 
 
 class TargetHeads(nn.Module):
-    """Frozen copies of the target's input embedding and LM head on the drafter's device, for a drafter that
-    trains on another device than the target (parallel.drafter_device): what the trainer reads of the target."""
+    """What the trainer reads of the target, frozen: its input embedding and LM head (one module when tied).
+    `TargetHeads(target, device)` copies them from a loaded target onto the drafter's device
+    (parallel.drafter_device); `TargetHeads.load(path, ...)` reads only those tensors from the target's files,
+    for a drafter rank of parallel.target_ranks that must not hold the whole target."""
 
-    def __init__(self, target: TargetModel, device: torch.device):
+    def __init__(self, target: TargetModel | None, device: torch.device, *, embed=None, lm_head=None):
         super().__init__()
         import copy
 
-        self.embed_tokens = copy.deepcopy(target.embed_tokens).to(device).requires_grad_(False)
-        tied = target.lm_head.weight is target.embed_tokens.weight
-        self.lm_head = self.embed_tokens if tied else copy.deepcopy(target.lm_head).to(device).requires_grad_(False)
+        if target is not None:
+            tied = target.lm_head.weight is target.embed_tokens.weight
+            embed = copy.deepcopy(target.embed_tokens)
+            lm_head = None if tied else copy.deepcopy(target.lm_head)
+        self.embed_tokens = embed.to(device).requires_grad_(False)
+        self.lm_head = self.embed_tokens if lm_head is None else lm_head.to(device).requires_grad_(False)
+
+    @classmethod
+    def load(cls, target: str, dtype: str, device: torch.device) -> TargetHeads:
+        """The embedding and LM head alone, read from the target's safetensors files: the model is laid out on
+        the meta device (no memory) to learn their tensor names. Falls back to loading the whole target, with a
+        warning, when the files are not laid out as its class names them."""
+        from transformers import AutoModelForCausalLM
+
+        config = load_target_config(target)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        module_names = {id(m): n for n, m in skeleton.named_modules()}
+        embed_key = module_names[id(skeleton.get_input_embeddings())] + ".weight"
+        head = skeleton.get_output_embeddings()
+        tied = head is None or head.weight is skeleton.get_input_embeddings().weight
+        head_key = None if tied else module_names[id(head)] + ".weight"
+        tensors = _read_tensors(target, [k for k in (embed_key, head_key) if k])
+        if tensors is None:
+            log.warning("target %s: embedding/LM head not found by name in its files; loading the whole target", target)
+            return cls(TargetModel.load(target, [], dtype, str(device)), device)
+        torch_dtype = DTYPES[dtype]
+        embed = nn.Embedding.from_pretrained(tensors[embed_key].to(torch_dtype), freeze=True)
+        lm_head = None
+        if head_key:
+            weight = tensors[head_key].to(torch_dtype)
+            lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+            lm_head.weight = nn.Parameter(weight, requires_grad=False)
+        log.info("target %s: embedding and LM head only (%s): not the whole model", target, "tied" * tied or "untied")
+        return cls(None, device, embed=embed, lm_head=lm_head)
 
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
+
+
+def _read_tensors(target: str, keys: list[str]) -> dict[str, torch.Tensor] | None:
+    """The named tensors from the target's safetensors files (one file or a sharded index); None if absent."""
+    import json
+
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    index = cached_file(target, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False)
+    if index:
+        weight_map = json.loads(Path(index).read_text())["weight_map"]
+        if not all(k in weight_map for k in keys):
+            return None
+        files = {k: cached_file(target, weight_map[k]) for k in keys}
+    else:
+        single = cached_file(target, "model.safetensors", _raise_exceptions_for_missing_entries=False)
+        if not single:
+            return None
+        files = dict.fromkeys(keys, single)
+    out = {}
+    for key, file in files.items():
+        with safe_open(file, framework="pt") as f:
+            if key not in f.keys():
+                return None
+            out[key] = f.get_tensor(key)
+    return out

@@ -195,10 +195,12 @@ def read_meta(ckpt: Path) -> dict:
     return json.loads((Path(ckpt) / META).read_text())
 
 
-def load_checkpoint(ckpt: Path, drafter, trainer=None) -> dict:
+def load_checkpoint(ckpt: Path, drafter, trainer=None, verified: bool = False) -> dict:
     """Load weights (and trainer state) into drafter / trainer; refuses a checkpoint that does not verify or is
-    of another shape or mask id. Returns meta.json."""
-    verify_checkpoint(ckpt)
+    of another shape or mask id (`verified`: the caller verified it just now, so its files are hashed once).
+    Returns meta.json."""
+    if not verified:
+        verify_checkpoint(ckpt)
     meta = read_meta(ckpt)
     check_signature(ckpt, meta, drafter)
     weights = load_file(str(Path(ckpt) / WEIGHTS), device=str(next(drafter.parameters()).device))

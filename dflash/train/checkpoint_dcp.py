@@ -78,8 +78,10 @@ def save_sharded(final: Path, model, trainer, world: World, extra: dict, keep_la
 
 
 def load_sharded(ckpt: Path, model, trainer, world: World) -> dict:
-    """Drafter, optimizer, counters and (same rank count) RNG from a sharded checkpoint; returns meta.json."""
-    verify_checkpoint(ckpt)
+    """Collective: drafter, optimizer, counters and (same rank count) RNG from a sharded checkpoint that rank 0
+    has verified (CheckpointManager.resume broadcasts its verdict: every rank hashing every shard would multiply
+    the reads by the rank count, and a rank failing alone here would leave the others in dcp.load); returns
+    meta.json."""
     meta = read_meta(ckpt)
     check_signature(ckpt, meta, unwrap(model))
     model_state, optim_state = get_state_dict(model, trainer.optimizer)
@@ -94,9 +96,10 @@ def load_sharded(ckpt: Path, model, trainer, world: World) -> dict:
     return meta
 
 
-def load_sharded_weights(ckpt: Path, drafter) -> dict:
+def load_sharded_weights(ckpt: Path, drafter, verified: bool = False) -> dict:
     """Only the drafter's weights (export, evaluation), into a plain module in one process."""
-    verify_checkpoint(ckpt)
+    if not verified:
+        verify_checkpoint(ckpt)
     meta = read_meta(ckpt)
     check_signature(ckpt, meta, drafter)
     state = {"model": drafter.state_dict()}
@@ -107,10 +110,9 @@ def load_sharded_weights(ckpt: Path, drafter) -> dict:
 
 def load_full_into(ckpt: Path, model, trainer) -> dict:
     """A single-process checkpoint (full weights, optimizer state by parameter index) into a data-parallel
-    model: every rank reads the whole files and keeps its part."""
+    model: every rank reads the whole files and keeps its part (verified by rank 0 first, as for load_sharded)."""
     from safetensors.torch import load_file
 
-    verify_checkpoint(ckpt)
     meta = read_meta(ckpt)
     drafter = unwrap(model)
     check_signature(ckpt, meta, drafter)

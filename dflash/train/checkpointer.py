@@ -78,7 +78,8 @@ class CheckpointManager:
 
     def resume(self, trainer) -> int | None:
         """Load the newest complete checkpoint into the drafter and trainer; returns its step (None: none)."""
-        # the newest checkpoint that verifies (a corrupt newer one is reported and skipped); decided by rank 0
+        # the newest checkpoint that verifies (a corrupt newer one is reported and skipped): hashed once, by rank 0,
+        # and its verdict broadcast, so every rank loads it or raises the same error at once
         found = None
         if self.world.is_main:
             try:
@@ -98,7 +99,7 @@ class CheckpointManager:
         elif self.world.distributed:
             self.resumed_meta = load_full_into(ckpt, self.model, trainer)
         else:
-            self.resumed_meta = load_checkpoint(ckpt, self.drafter, trainer)
+            self.resumed_meta = load_checkpoint(ckpt, self.drafter, trainer, verified=True)
         log.info("resuming %s from %s (step %d)", self.run_dir, ckpt.name, trainer.step)
         return trainer.step
 
@@ -112,12 +113,14 @@ def load_drafter_from_source(source: Path):
 
     source = Path(source)
     target = None
+    verified = False
     run = RunDir(source)
     if run.config_file.exists():
         from omegaconf import OmegaConf
 
         target = OmegaConf.load(run.config_file).model.target
         ckpt = latest_verified_checkpoint(source)
+        verified = ckpt is not None
         if ckpt is None:
             if (run.drafter / "config.json").exists():
                 return DFlashDraftModel.from_pretrained(run.drafter), target
@@ -127,9 +130,9 @@ def load_drafter_from_source(source: Path):
         meta = read_meta(source)
         drafter = DFlashDraftModel(Qwen3Config.from_dict(meta["drafter_config"]))
         if is_sharded(source):
-            load_sharded_weights(source, drafter)
+            load_sharded_weights(source, drafter, verified=verified)
         else:
-            load_checkpoint(source, drafter)
+            load_checkpoint(source, drafter, verified=verified)
         return drafter, target or meta.get("target")
     if (source / "config.json").exists():
         return DFlashDraftModel.from_pretrained(source), target

@@ -88,10 +88,17 @@ class StageError(RuntimeError):
     """A pipeline stage raised. ``.stage`` names it, ``__cause__`` is the original exception and
     ``.traceback_text`` its formatted traceback (from the stage's own thread)."""
 
-    def __init__(self, stage: str, exc: BaseException, traceback_text: str) -> None:
-        super().__init__(f"{stage} stage failed: {type(exc).__name__}: {exc}")
+    def __init__(self, stage: str, exc: BaseException | str, traceback_text: str) -> None:
+        error = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+        super().__init__(f"{stage} stage failed: {error}")
         self.stage = stage
+        self.error = error
         self.traceback_text = traceback_text
+
+    def __reduce__(self):
+        # a job's exception travels pickled (submitit, Hydra's JobReturn): rebuilt from text, as its cause may
+        # not pickle (the cause itself is not carried: Python never pickles __cause__)
+        return (type(self), (self.stage, self.error, self.traceback_text))
 
 
 # ----------------------------------------------------------------------------------------------------------

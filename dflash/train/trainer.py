@@ -14,7 +14,9 @@ import collections
 import logging
 import math
 import os
+import resource
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -35,7 +37,20 @@ log = logging.getLogger(__name__)
 _SUMMED = ("train/loss", "train/loss_ce", "train/loss_kl", "train/grad_norm")
 
 # per-rank monitor values that rank 0 shows as `<key>_min` / `<key>_max` under data parallelism
-PERF_SPREAD_KEYS = ("perf/target_queue_depth", "perf/hs_queue_depth", "perf/target_busy", "perf/drafter_busy")
+PERF_SPREAD_KEYS = (
+    "perf/target_queue_depth",
+    "perf/hs_queue_depth",
+    "perf/target_busy",
+    "perf/drafter_busy",
+    "perf/peak_rss_mb",
+    "perf/target_mb",
+)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far (MiB): what a rank needed at most, host side."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
 
 
 class TrainingDiverged(RuntimeError):
@@ -176,6 +191,7 @@ class DrafterTrainer:
             weight_decay=t.weight_decay,
         )
         self.lm_head_weight = target.lm_head.weight  # frozen, shared with the target
+        self._target_mb = sum(p.numel() * p.element_size() for p in target.parameters()) / 2**20
         self.attention = training_attention(cfg.model.attention, next(drafter.parameters()).device)
         self.step = 0  # optimizer steps taken (skipped steps included)
         self.tokens = 0
@@ -309,6 +325,8 @@ class DrafterTrainer:
             group["lr"] = lr
         self.model.train()
         out = self.compute_loss(item, step, noise_std)
+        if faulty_rank and cfg.debug.nan_at_step is not None and step + 1 >= cfg.debug.nan_at_step:
+            out.loss = out.loss * float("nan")  # fault injection: a diverging run (train.max_bad_steps drills)
         self.optimizer.zero_grad(set_to_none=True)
         # DDP and FSDP average gradients over ranks; the loss is already divided by the global weight sum
         (out.loss * world.size if world.distributed else out.loss).backward()
@@ -379,9 +397,15 @@ class DrafterTrainer:
             "counts": total[4:],
         }
 
+    def memory_sample(self) -> dict[str, float]:
+        """perf/peak_rss_mb (host) and perf/target_mb: the target's tensors this rank holds (the whole target, or
+        its embedding and LM head on a drafter rank of parallel.target_ranks), the GPU memory it costs there."""
+        return {"perf/peak_rss_mb": peak_rss_mb(), "perf/target_mb": self._target_mb}
+
     def _exchange_perf(self) -> None:
         names = sorted(PERF_SPREAD_KEYS)
-        values = torch.tensor([float(self.local_perf.get(k, 0.0)) for k in names], dtype=torch.float64)
+        local = {**self.local_perf, **self.memory_sample()}  # fresh each step: the monitor may be slow
+        values = torch.tensor([float(local.get(k, 0.0)) for k in names], dtype=torch.float64)
         both = self.world.all_reduce(torch.cat([values, -values]), op="max")
         self.perf_spread = {
             **{f"{k}_max": both[i].item() for i, k in enumerate(names)},

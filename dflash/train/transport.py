@@ -1,7 +1,15 @@
 """Hidden-state items between processes: a target rank sends, a drafter rank receives, over torch.distributed
 point-to-point (`isend`/`irecv`; gloo on CPU, NCCL on GPUs).
 
-One link joins one sender and one receiver. An item travels as a fixed-size int64 header (sequence number,
+One link joins one sender and one receiver, over two process groups of those two ranks (`Link`): on `items` only
+the target sends (item headers, tensors, the end header), on `credits` only the drafter sends (credits, the stop
+credit). NCCL runs a communicator's point-to-point operations in the order they were posted and ignores tags;
+with one direction per communicator, each side posts its operations on it in the order the other side posts the
+matching ones, so no wait can be circular (a credit receive posted early never holds back an item send, which
+runs on the other communicator). Both groups exchange one message at start-up, so their
+communicators exist before either side posts a long-lived receive (dflash.distributed.open_links).
+
+An item travels as a fixed-size int64 header (sequence number,
 integer fields, then each tensor's dtype and shape) followed by its tensors in order. Flow control is by
 credits, like `BoundedChannel`'s capacity: the sender has at most `bound` items in flight (sent, not yet taken
 by the drafter); the receiver returns one credit per item taken, so a slow drafter back-pressures its target
@@ -22,12 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dflash.distributed import Link
 from dflash.train.pipeline import END, BoundedChannel
 from dflash.train.trainer import HiddenItem
 
 HEADER_LEN = 64
 _MAGIC, _END_MAGIC = 0x0DF1A5, 0x0DF1A6
-TAG_ITEM, TAG_CREDIT = 11, 12
 STOP_CREDIT = -1
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool, torch.int8]
 
@@ -99,8 +107,10 @@ class Sender:
     """The target rank's end of a link to drafter rank `peer`. `send` blocks while `bound` items are in flight;
     it returns False once the receiver has asked to stop."""
 
-    def __init__(self, peer: int, bound: int, timeout_s: float, group=None, device: torch.device | str = "cpu"):
-        self.peer, self.bound, self.timeout_s, self.group = peer, bound, timeout_s, group
+    def __init__(
+        self, peer: int, bound: int, timeout_s: float, link: Link | None = None, device: torch.device | str = "cpu"
+    ):
+        self.peer, self.bound, self.timeout_s, self.link = peer, bound, timeout_s, link or Link()
         self.device = torch.device(device)  # where the tensors travel from: cpu for gloo, the rank's GPU for nccl
         self.stats = LinkStats()
         self.seq = 0
@@ -111,7 +121,7 @@ class Sender:
 
     def _post_credit_recv(self):
         try:
-            return dist.irecv(self._credit, self.peer, group=self.group, tag=TAG_CREDIT)
+            return dist.irecv(self._credit, self.peer, group=self.link.credits)
         except Exception as e:  # noqa: BLE001
             raise TransportError(f"target <- drafter rank {self.peer}: {e}") from e
 
@@ -143,8 +153,8 @@ class Sender:
         what = f"target -> drafter rank {self.peer}: sending item {self.seq}"
         try:
             header = pack_header(self.seq, ints, tensors).to(self.device)
-            works = [dist.isend(header, self.peer, group=self.group, tag=TAG_ITEM)]
-            works += [dist.isend(t, self.peer, group=self.group, tag=TAG_ITEM) for t in tensors]
+            works = [dist.isend(header, self.peer, group=self.link.items)]
+            works += [dist.isend(t, self.peer, group=self.link.items) for t in tensors]
         except Exception as e:  # noqa: BLE001
             raise TransportError(f"{what}: {e}") from e
         for w in works:
@@ -162,7 +172,7 @@ class Sender:
         end = torch.zeros(HEADER_LEN, dtype=torch.int64)
         end[0] = _END_MAGIC
         end = end.to(self.device)
-        _wait(lambda: dist.isend(end, self.peer, group=self.group, tag=TAG_ITEM), self.timeout_s, "ending the link")
+        _wait(lambda: dist.isend(end, self.peer, group=self.link.items), self.timeout_s, "ending the link")
 
 
 class Receiver:
@@ -175,10 +185,10 @@ class Receiver:
         bound: int,
         timeout_s: float,
         build: Callable[[int, list, list], Any],
-        group=None,
+        link: Link | None = None,
         device: torch.device | str = "cpu",
     ):
-        self.peer, self.bound, self.timeout_s, self.group, self.build = peer, bound, timeout_s, group, build
+        self.peer, self.bound, self.timeout_s, self.link, self.build = peer, bound, timeout_s, link or Link(), build
         self.device = torch.device(device)
         # set when the consumer stops taking items: a get blocked on an empty queue returns None
         self.abandon: threading.Event | None = None
@@ -195,7 +205,7 @@ class Receiver:
                 header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
                 t0 = time.perf_counter()
                 _wait(
-                    lambda h=header: dist.irecv(h, self.peer, group=self.group, tag=TAG_ITEM),
+                    lambda h=header: dist.irecv(h, self.peer, group=self.link.items),
                     self.timeout_s,
                     f"drafter <- target rank {self.peer}: waiting for an item",
                 )
@@ -209,7 +219,7 @@ class Receiver:
                 tensors = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs]
                 for t in tensors:
                     what = f"drafter <- target rank {self.peer}: receiving item {seq}"
-                    _wait(lambda t=t: dist.irecv(t, self.peer, group=self.group, tag=TAG_ITEM), self.timeout_s, what)
+                    _wait(lambda t=t: dist.irecv(t, self.peer, group=self.link.items), self.timeout_s, what)
                 self.expected_seq += 1
                 nbytes = HEADER_LEN * 8 + sum(t.numel() * t.element_size() for t in tensors)
                 self.stats.items, self.stats.bytes = self.stats.items + 1, self.stats.bytes + nbytes
@@ -228,7 +238,7 @@ class Receiver:
             return None
         credit = torch.ones(1, dtype=torch.int64, device=self.device)
         what = f"drafter -> target rank {self.peer}: returning credit"
-        _wait(lambda: dist.isend(credit, self.peer, group=self.group, tag=TAG_CREDIT), self.timeout_s, what)
+        _wait(lambda: dist.isend(credit, self.peer, group=self.link.credits), self.timeout_s, what)
         return item
 
     def close(self) -> None:
@@ -236,7 +246,7 @@ class Receiver:
         if self.error is None:
             stop = torch.full((1,), STOP_CREDIT, dtype=torch.int64, device=self.device)
             what = f"drafter -> target rank {self.peer}: stopping"
-            _wait(lambda: dist.isend(stop, self.peer, group=self.group, tag=TAG_CREDIT), self.timeout_s, what)
+            _wait(lambda: dist.isend(stop, self.peer, group=self.link.credits), self.timeout_s, what)
         while self.queue.get() is not END:
             pass
         self._thread.join(self.timeout_s)
