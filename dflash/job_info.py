@@ -44,14 +44,15 @@ def _swept_keys() -> set[str]:
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    args = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]
+    parser = OverridesParser.create()
     keys: set[str] = set()
-    try:
-        for o in OverridesParser.create().parse_overrides(args):
-            if o.is_sweep_override():
-                keys.add(o.key_or_group)
-    except Exception:  # noqa: BLE001 - naming is cosmetic; never fail a job over it
-        pass
+    for arg in sys.argv[1:]:
+        if "=" not in arg or arg.startswith("-"):
+            continue
+        try:  # one at a time: a redacted secret (`key=<redacted>`, dflash.secrets) does not parse
+            keys.update(o.key_or_group for o in parser.parse_overrides([arg]) if o.is_sweep_override())
+        except Exception:  # noqa: BLE001 - naming is cosmetic; never fail a job over it
+            pass
     params = HydraConfig.get().sweeper.get("params") or {}
     keys.update(str(k) for k in params)
     return keys

@@ -73,12 +73,13 @@ def launch(
     return proc
 
 
-def compose_config(overrides: list[str]):
-    """The job config launch.py would compose for OVERRIDES, for tests that call dflash.run in-process."""
+def compose_config(overrides: list[str], return_hydra_config: bool = False):
+    """The job config launch.py would compose for OVERRIDES, for tests that call dflash.run in-process (with
+    its `hydra` node: for tests of Hydra callbacks)."""
     from hydra import compose, initialize_config_dir
 
     from dflash.config import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
+        return compose(config_name="config", overrides=overrides, return_hydra_config=return_hydra_config)

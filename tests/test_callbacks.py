@@ -272,6 +272,16 @@ def test_wandb_init_kwargs_defaults_and_env(tmp_path):
     assert (kw["name"], kw["group"], kw["tags"], kw["entity"]) == ("mine", "grp", ["a"], "team")
 
 
+def test_wandb_records_no_command_that_still_holds_a_secret(tmp_path, monkeypatch):
+    """W&B records sys.argv as the run's command: one with a secret in it (not redacted by launch.py) makes W&B
+    record no system metadata at all."""
+    cfg, info = WandbConfig(mode="offline"), _info(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["launch.py", "experiment=smoke", "+logging.wandb.settings.api_key=<redacted>"])
+    assert "x_disable_meta" not in wandb_init_kwargs(cfg, info, tmp_path, environ={})["settings"]
+    monkeypatch.setattr(sys, "argv", ["launch.py", "experiment=smoke", "+logging.wandb.settings.api_key=sk-123"])
+    assert wandb_init_kwargs(cfg, info, tmp_path, environ={})["settings"]["x_disable_meta"] is True
+
+
 def test_credentials_check(tmp_path):
     home = tmp_path / "home"
     home.mkdir()

@@ -211,6 +211,15 @@ def test_a_new_study_records_its_search_and_keeps_the_config(tmp_path):
     }
 
 
+def test_a_study_records_no_secret_of_the_command_line(tmp_path):
+    secret = "+x.api_key=sk-secret-0123456789"
+    prepare_optuna_search(_config(tmp_path, task=("experiment=optuna_loss", secret))).close()
+    recorded = _study(tmp_path, "s").user_attrs[OPTUNA_SEARCH_ATTR]
+    assert "+x.api_key=<redacted>" in recorded["overrides"] and "sk-secret" not in json.dumps(recorded)
+    # another value of the secret is the same search
+    prepare_optuna_search(_config(tmp_path, task=("experiment=optuna_loss", "+x.api_key=sk-other-01234567"))).close()
+
+
 def test_a_relaunch_runs_the_missing_trials_numbered_after_the_study(tmp_path):
     prepare_optuna_search(_config(tmp_path)).close()
     _add_trials(tmp_path, complete=2, running=1)

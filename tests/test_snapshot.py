@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
+import sys
+
+from conftest import compose_config
+from hydra.core.utils import _save_config
+from hydra.types import RunMode
+from omegaconf import OmegaConf, open_dict
 
 from dflash.jsonio import _UMASK, write_json
 from dflash.rundir import StatusFile
-from dflash.secrets import REDACTED, redact, scrub_text
+from dflash.secrets import REDACTED, CommandLineSecrets, redact, scrub_arguments, scrub_text, secret_arguments
 
 
 def test_secret_keys_are_redacted_with_or_without_hydra_prefixes():
@@ -39,6 +46,81 @@ def test_values_of_secret_environment_variables_are_scrubbed(monkeypatch):
     assert scrub_text(text) == " ".join([REDACTED] * 4)
 
 
+CLI_SECRET = "sk-cli-secret-0123456789"
+SECRET_ARG = f"+logging.wandb.settings.api_key={CLI_SECRET}"
+
+
+def test_command_line_secrets_leave_no_trace_in_any_string():
+    args = ["experiment=smoke", SECRET_ARG, "+x.hf_token='quoted secret 42'", "+y.api_key=${oc.env:MY_KEY}"]
+    assert secret_arguments(args) == {SECRET_ARG: CLI_SECRET, args[2]: "'quoted secret 42'"}  # not ${oc.env:..}
+    dirname = f"experiment=smoke,{SECRET_ARG},train.seed=1"  # Hydra's hydra.job.override_dirname
+    data = {
+        "override_dirname": dirname,
+        "note": f"run {CLI_SECRET}",
+        "task": args,
+        "x": {"hf_token": "quoted secret 42"},
+    }
+    assert scrub_arguments(data, args) == {
+        "override_dirname": f"experiment=smoke,+logging.wandb.settings.api_key={REDACTED},train.seed=1",
+        "note": f"run {REDACTED}",
+        "task": [*args[:1], redact(SECRET_ARG), f"+x.hf_token={REDACTED}", f"+y.api_key={REDACTED}"],  # as redact()
+        "x": {"hf_token": REDACTED},
+    }
+
+
+def _hydra_job(tmp_path, overrides, multirun=False):
+    """The config of a job as Hydra's run_job hands it to on_job_start, and the files it wrote just before."""
+    cfg = compose_config([*overrides, f"hydra.run.dir={tmp_path / 'run'}"], return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(tmp_path / "run")
+        if multirun:
+            cfg.hydra.mode = RunMode.MULTIRUN
+            cfg.hydra.sweep.dir = str(tmp_path)
+    hydra_dir = tmp_path / "run" / cfg.hydra.output_subdir
+    task = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    _save_config(task, "config.yaml", hydra_dir)
+    _save_config(OmegaConf.masked_copy(cfg, ["hydra"]), "hydra.yaml", hydra_dir)
+    _save_config(cfg.hydra.overrides.task, "overrides.yaml", hydra_dir)
+    if multirun:
+        _save_config(cfg, "multirun.yaml", tmp_path)
+    return cfg, hydra_dir
+
+
+def test_hydra_files_and_argv_are_redacted_at_job_start(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["launch.py", "-m", "experiment=smoke", SECRET_ARG, "train.seed=1"])
+    cfg, hydra_dir = _hydra_job(tmp_path, ["experiment=smoke", SECRET_ARG, "train.seed=1"], multirun=True)
+    assert CLI_SECRET in (hydra_dir / "hydra.yaml").read_text()  # as Hydra wrote it
+    CommandLineSecrets().on_job_start(config=cfg, task_function=None)
+    assert sys.argv == ["launch.py", "-m", "experiment=smoke", redact(SECRET_ARG), "train.seed=1"]
+    files = [hydra_dir / n for n in ("config.yaml", "hydra.yaml", "overrides.yaml")] + [tmp_path / "multirun.yaml"]
+    for f in files:
+        assert CLI_SECRET not in f.read_text(), f
+    hydra = OmegaConf.load(hydra_dir / "hydra.yaml").hydra
+    assert hydra.job.override_dirname == f"{redact(SECRET_ARG)},experiment=smoke,train.seed=1"
+    assert OmegaConf.load(hydra_dir / "config.yaml").train.seed == 1
+
+
+def test_hydra_files_without_a_command_line_secret_stay_as_written(tmp_path):
+    cfg, hydra_dir = _hydra_job(tmp_path, ["experiment=smoke", "+x.api_key=${oc.env:MY_KEY}"])
+    before = {f: f.read_bytes() for f in hydra_dir.iterdir()}
+    CommandLineSecrets().on_job_start(config=cfg, task_function=None)
+    assert {f: f.read_bytes() for f in hydra_dir.iterdir()} == before
+
+
+def test_a_command_line_secret_warns_once_naming_the_key_on_rank_0(tmp_path, monkeypatch, caplog):
+    cfg, _ = _hydra_job(tmp_path, ["experiment=smoke", SECRET_ARG])
+    monkeypatch.delenv("RANK", raising=False)
+    with caplog.at_level(logging.WARNING, logger="dflash.secrets"):
+        CommandLineSecrets().on_run_start(config=cfg)
+    [record] = caplog.records
+    assert "logging.wandb.settings.api_key" in record.message and "${oc.env:NAME}" in record.message
+    assert CLI_SECRET not in record.message
+    caplog.clear()
+    monkeypatch.setenv("RANK", "1")  # torchrun: rank 0 says it
+    CommandLineSecrets().on_run_start(config=cfg)
+    assert not caplog.records
+
+
 def test_failed_status_scrubs_error_and_traceback(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_SECRETVALUE123")
     st = StatusFile(tmp_path)
@@ -52,3 +134,30 @@ def test_run_files_get_the_umask_mode_not_0600(tmp_path):
     write_json(tmp_path / "summary.json", {"a": 1})
     mode = stat.S_IMODE(os.stat(tmp_path / "summary.json").st_mode)
     assert mode == 0o666 & ~_UMASK and mode & stat.S_IRUSR
+
+
+def test_a_multiruns_launcher_logs_each_job_without_the_secret(tmp_path, caplog):
+    cfg, _ = _hydra_job(tmp_path, ["experiment=smoke", SECRET_ARG], multirun=True)
+    launcher_log = logging.getLogger("hydra._internal.core_plugins.basic_launcher")
+    with caplog.at_level(logging.INFO):
+        CommandLineSecrets().on_multirun_start(config=cfg)
+        launcher_log.info(f"\t#0 : experiment=smoke {SECRET_ARG}")
+    assert caplog.records[-1].getMessage() == f"\t#0 : experiment=smoke {redact(SECRET_ARG)}"
+    CommandLineSecrets().on_multirun_start(config=_hydra_job(tmp_path, ["experiment=smoke"], multirun=True)[0])
+    assert not launcher_log.filters  # a multirun without a secret leaves the launcher's log alone
+
+
+def test_swept_keys_are_read_beside_a_redacted_secret(tmp_path, monkeypatch):
+    """A multirun job names itself by the keys the command line sweeps: still so once sys.argv is redacted."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from dflash.job_info import _swept_keys
+
+    cfg, _ = _hydra_job(tmp_path, ["experiment=smoke"], multirun=True)
+    monkeypatch.setattr(sys, "argv", ["launch.py", "-m", "loss.kl_temperature=1,2", redact(SECRET_ARG)])
+    before = HydraConfig.instance().cfg
+    HydraConfig.instance().set_config(cfg)
+    try:
+        assert _swept_keys() == {"loss.kl_temperature"}
+    finally:
+        HydraConfig.instance().cfg = before

@@ -77,6 +77,50 @@ def test_multirun_jobs_share_a_group(tmp_path, cache_dir, tiny_target):
     assert {r["name"] for r in recs} == {"loss.kl_temperature=1", "loss.kl_temperature=2"}
 
 
+ENV_SECRETS = {
+    "WANDB_API_KEY": "env-wandb-key-0001",
+    "OPENAI_API_KEY": "env-openai-key-0002",
+    "HF_TOKEN": "env-hf-0003",
+}
+CLI_SECRET = "sk-cli-secret-0004"
+SECRET_ARG = f"+logging.wandb.settings.api_key={CLI_SECRET}"
+
+
+def _files_with_secrets(root: Path) -> list[str]:
+    """Every file under root (W&B's binary run record included) that holds one of the secrets, as raw bytes."""
+    secrets = [CLI_SECRET, *ENV_SECRETS.values()]
+    return [f"{f}: {s}" for f in root.rglob("*") if f.is_file() for s in secrets if s.encode() in f.read_bytes()]
+
+
+def test_no_secret_from_the_command_line_or_the_environment_reaches_a_file(tmp_path, cache_dir, tiny_target):
+    """Secrets in the environment and on the command line (a run, then its resume): no file of the run holds
+    one, W&B's record has the redacted command, and the command line's secret costs one warning."""
+    run_dir = tmp_path / "run"
+    env = {**ENV_SECRETS, "WANDB_MODE": "offline"}
+    proc = launch([*_offline_args(run_dir), "train.max_steps=4", SECRET_ARG], cache_dir, check=True, env=env)
+    out = proc.stdout + proc.stderr
+    warnings = [line for line in out.splitlines() if "looks like a secret" in line]
+    assert len(warnings) == 1 and "logging.wandb.settings.api_key" in warnings[0] and "oc.env" in warnings[0]
+    assert CLI_SECRET not in out
+    launch([f"resume={run_dir}", "train.max_steps=6", SECRET_ARG], cache_dir, check=True, env=env)
+    assert (run_dir / ".hydra/resume/overrides.yaml").is_file()
+    records = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(records) == 2  # the run's and the resume's
+    for record in records:  # each records the command, redacted
+        assert b"+logging.wandb.settings.api_key=<redacted>" in record.read_bytes(), record
+    assert _files_with_secrets(run_dir) == []
+
+
+def test_no_secret_from_the_command_line_reaches_a_file_of_a_multirun(tmp_path, cache_dir, tiny_target):
+    sweep = tmp_path / "sweep"
+    args = ["-m", "experiment=smoke", "logging=wandb", f"hydra.sweep.dir={sweep}", "train.max_steps=2", SECRET_ARG]
+    proc = launch([*args, "eval.num_prompts=0"], cache_dir, check=True, env={**ENV_SECRETS, "WANDB_MODE": "offline"})
+    out = proc.stdout + proc.stderr
+    assert out.count("looks like a secret") == 1 and "#0 : " in out and CLI_SECRET not in out
+    assert (sweep / "multirun.yaml").is_file() and list(sweep.glob("0/wandb/offline-run-*/run-*.wandb"))
+    assert _files_with_secrets(sweep) == []
+
+
 def test_wandb_unimportable_run_completes_with_warning(tmp_path, cache_dir, tiny_target):
     shim = tmp_path / "shim"
     shim.mkdir()

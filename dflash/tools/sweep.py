@@ -51,6 +51,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from dflash.jsonio import read_json, write_json
 from dflash.rundir import CONFIG_FILE, STATUS_FILE, Run, find_runs, flatten
+from dflash.secrets import scrub_arguments
 from dflash.tools.compare import DEFAULT_METRICS, compare_table, varying_keys
 from dflash.tools.compare_cli import render
 
@@ -278,15 +279,15 @@ def fail_unusable_objective(job_return: Any) -> None:
 def search_definition(config: DictConfig) -> dict[str, Any]:
     """What defines an Optuna search: `overrides`, the sweeper's params and the command line's job overrides
     (ranges and fixed values) as the sweeper reads them, sorted; `config`, the job config they apply to (the
-    experiment file's values included), unresolved and flattened. hydra.* (n_trials, the sweep dir) is not part."""
+    experiment file's values included), unresolved and flattened; secrets redacted. hydra.* (n_trials, the sweep
+    dir) is not part."""
     params = OmegaConf.select(config, "hydra.sweeper.params", default=None) or {}
     task = OmegaConf.select(config, "hydra.overrides.task", default=None) or []
     job = {k: v for k, v in config.items_ex(resolve=False) if k != "hydra"}
     job = OmegaConf.to_container(OmegaConf.create(job), resolve=False, enum_to_str=True)
-    return {
-        "overrides": sorted([f"{k}={v}" for k, v in params.items()] + [str(o) for o in task]),
-        "config": flatten(job),
-    }
+    overrides = sorted([f"{k}={v}" for k, v in params.items()] + [str(o) for o in task])
+    # the study is a file of the sweep: no secret of the command line in it (nor does one define a search)
+    return scrub_arguments({"overrides": overrides, "config": flatten(job)}, overrides)
 
 
 def search_changes(recorded: dict[str, Any], definition: dict[str, Any]) -> list[str]:

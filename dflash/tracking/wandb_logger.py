@@ -10,6 +10,7 @@ import logging
 import math
 import netrc
 import os
+import sys
 import threading
 import time
 import uuid
@@ -19,6 +20,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from dflash.jsonio import to_python
+from dflash.secrets import redact
 from dflash.tracking.base import Callback, RunInfo
 
 log = logging.getLogger(__name__)
@@ -99,6 +101,10 @@ def wandb_init_kwargs(
             "init_timeout": float(getattr(wandb_cfg, "init_timeout_s", 60.0)),
         },
     }
+    if redact(list(sys.argv)) != list(sys.argv):
+        # W&B records sys.argv as the run's command; launch.py's jobs have it redacted (dflash.secrets.
+        # CommandLineSecrets), another caller may not: then W&B records no system metadata at all
+        kwargs["settings"]["x_disable_meta"] = True
     if info.wandb_run_id:
         kwargs.update(id=info.wandb_run_id, resume="allow")
     return {k: v for k, v in kwargs.items() if v is not None}
