@@ -3,8 +3,11 @@
 `conf/config.yaml` starts its defaults list with `base_config` (the `Config` dataclass below), so every
 YAML file of every group is merged into a typed node: a misspelt key or a wrong type fails at composition,
 before `launch.py` runs a line of ours. Value checks that types cannot express (ranges, cross-field rules)
-live in `validate()`, which `run.main` calls before loading any model; `validate_against_target()` adds
-the rules that need the target's config (layer count, vocabulary), read without loading weights.
+live in `validate()`, which `lifecycle.main` calls before loading any model; the rules that need the target's
+config (layer count, mask token id) are checked where it is read (model/build.py), before weights load.
+
+One source of every default: a dataclass field's default is the value the default run composes
+(`python launch.py`); a group option's YAML sets only what makes it that option (tests/test_config.py checks).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig
 
 
 class ConfigError(ValueError):
@@ -47,17 +50,18 @@ DEFAULT_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 class TinyBuildConfig:
     """How `dflash/tools/tiny.py` builds the embedded default target when `model.target` does not exist yet."""
 
+    # none: model.target is a hub name or a directory (every real model); the sizes are model=tiny's
     kind: str = "none"  # none | tiny | tiny_random
-    vocab_size: int = 4096
+    vocab_size: int = 2048
     hidden_size: int = 256
     num_layers: int = 6
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 64
-    intermediate_size: int = 768
+    intermediate_size: int = 512
     max_position_embeddings: int = 2048
-    pretrain_steps: int = 600  # steps of causal-LM pretraining on stdlib sources
-    pretrain_seq_len: int = 256
+    pretrain_steps: int = 400  # steps of causal-LM pretraining on stdlib sources
+    pretrain_seq_len: int = 128
     pretrain_batch_size: int = 16
     pretrain_lr: float = 3e-3
     seed: int = 0
@@ -121,7 +125,6 @@ class WandbConfig:
 
 @dataclass
 class LoggingConfig:
-    name: str = "wandb"
     log_every_s: float = 5.0  # console refresh interval (JSONL and W&B get every monitor tick)
     console: bool = True
     # summary.json's train/* metrics: the mean over this many last steps (not the last monitor window, whose
@@ -136,7 +139,7 @@ class RegenerateConfig:
     """Train on the target's own continuations of prompts from the corpus (the paper regenerates responses
     with the target "for better target alignment"): the drafter learns what the target will actually say."""
 
-    enabled: bool = False
+    enabled: bool = True  # data=stdlib only (data=jsonl sets false: regenerate chat data offline)
     num_prompts: int = 4096
     prompt_len: int = 32  # prompt tokens (not supervised)
     max_new_tokens: int = 128  # generated tokens per prompt (supervised)
@@ -160,7 +163,6 @@ class DataConfig:
 
 @dataclass
 class PipelineConfig:
-    name: str = "async"
     mode: str = "async"  # async | sync
     queue_size: int = 4  # items per queue
     queue_bytes: int | None = None  # optional byte cap per queue (null = items only)
@@ -173,7 +175,7 @@ class PipelineConfig:
 @dataclass
 class EvalConfig:
     name: str = "default"
-    every_steps: int = 0  # 0 = only the final eval
+    every_steps: int = 500  # 0 = only the final eval
     num_prompts: int = 8
     max_new_tokens: int = 64
     prompt_len: int = 64  # tokens of held-out text used as a prompt
@@ -189,7 +191,7 @@ class EvalConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 200
+    max_steps: int = 1000
     max_tokens: int | None = None  # stop after this many target tokens (null = steps only)
     batch_size: int = 4
     seq_len: int = 256
@@ -234,7 +236,7 @@ class DebugConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 0  # 0 = only at the end and on SIGTERM/SIGINT
+    every_steps: int = 250  # 0 = only at the end and on SIGTERM/SIGINT
     keep_last: int = 2
     enabled: bool = True
 
@@ -433,6 +435,3 @@ def _optional_at_least(key: str, value: Any, low: int) -> None:
         _check(value >= low, key, value, f"must be >= {low} (or null)")
 
 
-def to_container(cfg: DictConfig) -> dict:
-    """The resolved config as plain Python (what config_resolved.yaml and W&B receive)."""
-    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)

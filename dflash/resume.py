@@ -46,8 +46,9 @@ _MOVED_KEYS = {
 }
 
 
-# keys that are gone: pipeline.drafter_workers became the `parallel` group (torchrun ranks)
-_DROPPED_KEYS = ("pipeline.drafter_workers",)
+# keys that are gone: pipeline.drafter_workers became the `parallel` group (torchrun ranks); pipeline.name and
+# logging.name were read by nothing (the option is pipeline.mode; logging's is logging.wandb.mode)
+_DROPPED_KEYS = ("pipeline.drafter_workers", "pipeline.name", "logging.name")
 
 
 def _upgrade(saved: DictConfig) -> DictConfig:

@@ -31,7 +31,7 @@ from dflash.model.build import build_drafter_config, init_drafter, resolve_mask_
 from dflash.model.export import export_drafter
 from dflash.model.target import DTYPES, TargetHeads, TargetModel, load_target_config, resolve_device
 from dflash.resume import check_data_unchanged
-from dflash.rundir import RunDir, cpu_model
+from dflash.rundir import RunDir, cpu_features, cpu_model
 from dflash.secrets import redact
 from dflash.tools.report import write_report
 from dflash.tools.tiny import ensure_target
@@ -137,17 +137,19 @@ def train(
             )
             run.write_summary(summary)
             if "eval/tau" in summary:  # a result is a figure of its seed and its machine
-                log.info(
-                    "final tau %.3f (train.seed=%d, %s, %d cores)",
-                    summary["eval/tau"],
-                    cfg.train.seed,
-                    cpu_model() if job.device.type == "cpu" else torch.cuda.get_device_name(job.device),
-                    os.cpu_count() or 0,
-                )
+                tau, seed = summary["eval/tau"], cfg.train.seed
+                log.info("final tau %.3f (train.seed=%d, %s)", tau, seed, _machine(job.device))
             if cfg.logging.report:
                 _write_report(run)
         world.barrier()  # every rank ends the job together (the next job of a multirun starts in step)
     return TrainResult(outcome.status, summary, outcome.reason)
+
+
+def _machine(device: torch.device) -> str:
+    """What a result is a figure of: the GPU, or the CPU with its cores and vector kernels (run.json has more)."""
+    if device.type != "cpu":
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_model()}, {os.cpu_count() or 0} cores, torch CPU kernels {cpu_features()['torch_cpu_capability']}"
 
 
 def _final_eval(job: Job, drafter, stop: threading.Event, summary: dict, outcome) -> None:

@@ -103,11 +103,36 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# the CPU's vector extensions that change which kernels torch runs (and so float round-off): two machines with
+# the same model name can differ here (a hypervisor may hide avx512 or amx)
+_VECTOR_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16")
+
+
+def cpu_features() -> dict:
+    """The CPU's vector extensions (from /proc/cpuinfo) and the kernel set torch picked for it (`AVX2`,
+    `AVX512`, ...): what tells apart machines whose trained results differ by round-off."""
+    import torch
+
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return {
+        "vector_extensions": [f for f in _VECTOR_FLAGS if f in flags],
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
 def device_info() -> dict:
     import torch
 
     info = {
         "cpu": cpu_model(),
+        **cpu_features(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.is_available(),

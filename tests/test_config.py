@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, launch
+from conftest import REPO, compose_config, launch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -38,7 +38,9 @@ def test_every_config_file_composes_and_validates(group, option):
     cfg = _compose(overrides)
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
     validate(cfg)
-    if group not in ("experiment", "debug"):
+    if group == "pipeline":  # its option is its mode
+        assert cfg.pipeline.mode == option
+    elif group not in ("experiment", "debug", "logging"):  # logging's options differ in wandb.mode alone
         assert cfg[group].name == option
 
 
@@ -171,3 +173,34 @@ def test_resume_upgrades_a_config_saved_by_an_older_version(tmp_path):
     assert "drafter_workers" not in merged.pipeline and merged.parallel.name == "single"
     assert merged.resume_accept_data_change is False
     validate(merged)
+
+
+def test_dataclass_defaults_are_what_the_default_run_composes(monkeypatch):
+    """One source of every default: each dataclass default equals the value `python launch.py` composes (the
+    default group options and config.yaml), so no file holds a competing value. Keys a group option owns by
+    its nature are the exceptions: which target (model.name, model.target, model.build.kind: real models
+    build nothing) and which data (data.name)."""
+    from omegaconf import OmegaConf
+
+    from dflash.config import Config
+
+    for var in ("WANDB_MODE", "WANDB_PROJECT", "DFLASH_CACHE_DIR"):  # env-interpolated defaults, resolved
+        monkeypatch.delenv(var, raising=False)
+    owned_by_the_option = {"model.name", "model.target", "model.build.kind", "data.name"}
+    composed = OmegaConf.to_container(compose_config([]), resolve=True)
+    schema = OmegaConf.to_container(OmegaConf.structured(Config), resolve=False)
+
+    def leaves(node, prefix=""):
+        for key, value in node.items():
+            if isinstance(value, dict) and value:
+                yield from leaves(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    expected = dict(leaves(schema))
+    differ = {
+        key: (value, expected.get(key, "<no field>"))
+        for key, value in leaves(composed)
+        if key not in owned_by_the_option and value != expected.get(key, "<no field>")
+    }
+    assert not differ, f"composed value vs dataclass default: {differ}"

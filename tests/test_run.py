@@ -85,6 +85,9 @@ def test_smoke_run_leaves_a_complete_run_dir(tmp_path, cache_dir, tiny_target):
     for key in DESIGN_TRAIN_KEYS + DESIGN_PERF_KEYS + ["step", "tokens", "time_s"]:
         assert key in records[-1], key
     assert records[-1]["step"] == 12
+    # a monitor tick without a new step writes no train/* (a mean over records counts each step once)
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if any(k.startswith("train/") for k in r)]
+    assert len(steps) == len(set(steps)), steps
     steps = [r["step"] for r in records]
     assert steps == sorted(steps)
     assert any(r["perf/hs_queue_depth"] > 0 for r in records)

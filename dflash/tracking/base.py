@@ -23,7 +23,7 @@ class RunInfo:
     """
 
     run_dir: Path
-    config: dict  # the resolved config as plain Python containers (config.to_container)
+    config: dict  # the resolved config as plain Python containers, secrets redacted
     max_steps: int
     job_name: str
     sweep_dir: str | None = None

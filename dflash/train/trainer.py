@@ -200,7 +200,6 @@ class DrafterTrainer:
         self.next_data = (0, 0)  # (pass, index) of the next batch to train on
         self._lock = threading.Lock()
         self._reset_window()
-        self.last_metrics: dict[str, float] = {}
         # data parallelism: each step all ranks agree on stopping (a signal to any of them), and exchange their
         # latest local monitor sample so rank 0 can show the slowest and fastest rank
         self.stop_requested: Callable[[], bool] = lambda: False
@@ -214,23 +213,25 @@ class DrafterTrainer:
     def _reset_window(self) -> None:
         self._acc = BlockMetricsAccumulator()
         self._sums = {"train/loss": 0.0, "train/loss_ce": 0.0, "train/loss_kl": 0.0, "train/grad_norm": 0.0}
-        self._n = 0
+        self._n = 0  # finite steps in the window
+        self._window_steps = 0  # steps in the window, skipped ones included
         self._tokens_and_slots = [0, 0]  # real tokens and batch slots (padding included) since the last window
 
     def metrics(self) -> dict[str, float]:
-        """Training metrics averaged over the steps since the last call (thread-safe), plus counters."""
+        """Training metrics averaged over the steps since the last call (thread-safe), plus counters. A window
+        without a step has no train/* at all: a record repeats no step's values (a mean over records counts
+        each step once)."""
         with self._lock:
             out = {"step": self.step, "tokens": self.tokens}
+            if not self._window_steps:
+                return out
             if self._n:
                 out.update({k: v / self._n for k, v in self._sums.items()})
                 out.update(self._acc.compute())
                 tokens, slots = self._tokens_and_slots
                 if slots:  # what batching costs: the share of the target's and drafter's work spent on padding
                     out["perf/pad_fraction"] = 1.0 - tokens / slots
-                self._reset_window()
-                self.last_metrics = {k: v for k, v in out.items() if k.startswith("train/")}
-            else:
-                out.update(self.last_metrics)
+            self._reset_window()
             last = max(self.step - 1, 0)  # the step these averages end with, not the one about to run
             out["train/lr"] = self.lr_for(last)
             out["train/noise_std"] = self.noise_for(last)
@@ -344,6 +345,7 @@ class DrafterTrainer:
             log.warning("step %d: non-finite loss or gradient, step skipped (%d in a row)", step + 1, self.bad_in_row)
         with self._lock:
             self.step += 1
+            self._window_steps += 1
             step_tokens = item.global_tokens if item.global_tokens is not None else item.num_tokens
             self.tokens += step_tokens
             whole = item.loss_mask if item.global_loss_mask is None else item.global_loss_mask
