@@ -48,7 +48,7 @@ DEFAULT_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 @dataclass
 class TinyBuildConfig:
-    """How `dflash/tools/tiny.py` builds the embedded default target when `model.target` does not exist yet."""
+    """How `dflash/model/tiny.py` builds the embedded default target when `model.target` does not exist yet."""
 
     # none: model.target is a hub name or a directory (every real model); the sizes are model=tiny's
     kind: str = "none"  # none | tiny | tiny_random
@@ -433,5 +433,3 @@ def validate(cfg: DictConfig | Config) -> None:
 def _optional_at_least(key: str, value: Any, low: int) -> None:
     if value is not None:
         _check(value >= low, key, value, f"must be >= {low} (or null)")
-
-

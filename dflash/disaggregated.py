@@ -25,8 +25,8 @@ from dflash.data.training_data import run_training_data
 from dflash.distributed import World
 from dflash.model.build import resolve_target_layer_ids
 from dflash.model.target import TargetModel, load_target_config
+from dflash.model.tiny import ensure_target
 from dflash.rundir import RunDir
-from dflash.tools.tiny import ensure_target
 from dflash.train.trainer import TargetForward
 from dflash.train.transport import Receiver, Sender, item_from_wire, item_to_wire
 

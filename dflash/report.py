@@ -1,6 +1,6 @@
-"""`python -m dflash.report RUN_DIR [RUN_DIR ...]`: a picture of runs (code: `dflash.tools.report`)."""
+"""`python -m dflash.report RUN_DIR [RUN_DIR ...]`: a picture of runs (code: `dflash.tracking.report`)."""
 
-from dflash.tools.report import main
+from dflash.tracking.report import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

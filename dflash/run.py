@@ -30,12 +30,13 @@ from dflash.job_info import JobInfo
 from dflash.model.build import build_drafter_config, init_drafter, resolve_mask_token_id, resolve_target_layer_ids
 from dflash.model.export import export_drafter
 from dflash.model.target import DTYPES, TargetHeads, TargetModel, load_target_config, resolve_device
+from dflash.model.tiny import ensure_target
 from dflash.resume import check_data_unchanged
 from dflash.rundir import RunDir, cpu_features, cpu_model
 from dflash.secrets import redact
-from dflash.tools.report import write_report
-from dflash.tools.tiny import ensure_target
 from dflash.tracking import CallbackList, RunInfo, build_callbacks
+from dflash.tracking.report import write_report
+from dflash.train import faults
 from dflash.train.checkpointer import CheckpointManager
 from dflash.train.parallelize import full_state_dict, parallelize_drafter, plain_copy
 from dflash.train.pipeline import Pipeline
@@ -241,6 +242,7 @@ def build_job(cfg: DictConfig, run: RunDir, world: World | None = None) -> Job:
     else:
         heads = target if target.device == device else TargetHeads(target, device)
     trainer = DrafterTrainer(cfg, heads, drafter, mask_id, total_steps(cfg.train), after_step, world, model)
+    faults.install(trainer, cfg.debug, world.rank)  # +debug=faults drills; nothing without a debug key
     return Job(target, drafter, device, data, trainer, checkpoints, evaluator, world, model, replicas)
 
 

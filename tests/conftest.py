@@ -31,7 +31,7 @@ def tiny_target(cache_dir) -> Path:
     from omegaconf import OmegaConf
 
     from dflash.config import TinyBuildConfig
-    from dflash.tools.tiny import ensure_target
+    from dflash.model.tiny import ensure_target
 
     spec = OmegaConf.load(REPO / "conf/model/tiny_random.yaml")
     build = TinyBuildConfig(**OmegaConf.to_container(spec.build))

@@ -20,6 +20,7 @@ ENTRY_POINTS = {
 
 # layer of each module prefix (lower number = lower floor); a module may import its own floor or below
 LAYERS = {
+    # the base: no dflash import above it
     "dflash.config": 0,
     "dflash.jsonio": 0,
     "dflash.secrets": 0,
@@ -30,15 +31,16 @@ LAYERS = {
     "dflash.determinism": 0,
     "dflash.model": 1,
     "dflash.data": 2,
+    "dflash.model.tiny": 2,  # builds the embedded target from the stdlib corpus: on data's floor
     "dflash.train": 3,
-    "dflash.tracking": 3,
-    "dflash.evaluation": 4,
-    "dflash.resume": 5,
-    "dflash.job_info": 5,
-    "dflash.run": 5,
-    "dflash.lifecycle": 5,
-    "dflash.disaggregated": 5,
-    "dflash.tools": 5,  # the top floor, with run.py (which builds the embedded tiny target on first use)
+    "dflash.tracking": 4,
+    "dflash.evaluation": 5,
+    "dflash.resume": 6,
+    "dflash.job_info": 6,
+    "dflash.disaggregated": 7,
+    "dflash.run": 8,
+    "dflash.lifecycle": 9,
+    "dflash.tools": 10,  # the CLIs (compare, sweep, export, regenerate, bench): nothing imports them
 }
 
 

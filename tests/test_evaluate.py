@@ -45,7 +45,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     from dflash.config import TinyBuildConfig
-    from dflash.tools.tiny import build
+    from dflash.model.tiny import build
 
     d = tmp_path_factory.mktemp("tiny") / "target"
     build(

@@ -13,12 +13,9 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import os
 import resource
-import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -315,19 +312,12 @@ class DrafterTrainer:
         if self.done():
             return False
         cfg, world = self.cfg, self.world
-        faulty_rank = cfg.debug.fail_rank is None or cfg.debug.fail_rank == world.rank
-        if faulty_rank and cfg.debug.fail_at_step is not None and self.step + 1 >= cfg.debug.fail_at_step:
-            raise RuntimeError(f"injected drafter-stage fault at step {self.step + 1} (debug.fail_at_step)")
-        if cfg.debug.slow_step_s:
-            time.sleep(cfg.debug.slow_step_s)
         step = self.step
         lr, noise_std = self.lr_for(step), self.noise_for(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
         out = self.compute_loss(item, step, noise_std)
-        if faulty_rank and cfg.debug.nan_at_step is not None and step + 1 >= cfg.debug.nan_at_step:
-            out.loss = out.loss * float("nan")  # fault injection: a diverging run (train.max_bad_steps drills)
         self.optimizer.zero_grad(set_to_none=True)
         # DDP and FSDP average gradients over ranks; the loss is already divided by the global weight sum
         (out.loss * world.size if world.distributed else out.loss).backward()
@@ -369,8 +359,6 @@ class DrafterTrainer:
             )
         if self.after_step is not None:
             self.after_step(self)
-        if faulty_rank and cfg.debug.crash_at_step is not None and self.step >= cfg.debug.crash_at_step:
-            os.kill(os.getpid(), signal.SIGKILL)  # fault injection: no cleanup, exactly like kill -9
         if stats["stop"]:
             self.stopped_on_request = True
             log.warning("stopping after step %d: a stop was requested", self.step)

@@ -83,7 +83,7 @@ def _tiny_target(cache: Path) -> str:
     from omegaconf import OmegaConf
 
     from dflash.config import CONF_DIR, TinyBuildConfig
-    from dflash.tools.tiny import ensure_target
+    from dflash.model.tiny import ensure_target
 
     spec = OmegaConf.load(Path(CONF_DIR) / "model" / "tiny_random.yaml")
 
