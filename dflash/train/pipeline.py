@@ -30,14 +30,14 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from dflash.config import PIPELINE_MODES
 from dflash.train.channel import END, POLL_S, BoundedChannel, ChannelClosed, item_nbytes
+from dflash.train.monitor import MONITOR_KEYS, Monitor, StageStats, StageWindow
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +53,6 @@ __all__ = [
     "StageStats",
     "item_nbytes",
 ]
-
-MONITOR_KEYS = (
-    "perf/target_queue_depth",
-    "perf/hs_queue_depth",
-    "perf/hs_queue_mb",
-    "perf/target_busy",
-    "perf/target_wait",
-    "perf/drafter_busy",
-    "perf/drafter_wait_s",
-    "perf/ktok_s",
-    "perf/interval_s",
-)
 
 
 class StageError(RuntimeError):
@@ -82,112 +70,6 @@ class StageError(RuntimeError):
         # a job's exception travels pickled (submitit, Hydra's JobReturn): rebuilt from text, as its cause may
         # not pickle (the cause itself is not carried: Python never pickles __cause__)
         return (type(self), (self.stage, self.error, self.traceback_text))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Stage statistics
-
-
-@dataclasses.dataclass(frozen=True)
-class StageWindow:
-    """One stage over one monitor interval. Fractions are per worker: busy_s / (interval_s * workers)."""
-
-    interval_s: float
-    busy_s: float
-    wait_s: float
-    items: int
-    tokens: int
-    busy_frac: float
-    wait_frac: float
-
-
-class StageStats:
-    """Busy time (inside the stage function), wait time (blocked on a channel), items and tokens of one stage.
-
-    Thread-safe; shared by all workers of a stage. Time of a call still in progress is credited up to the
-    window, so a drafter step longer than the monitor interval does not show as 0 then > 1.
-    """
-
-    def __init__(self, name: str, workers: int = 1, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.name = name
-        self.workers = workers
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._open: dict[tuple[int, str], float] = {}  # (thread id, "busy"|"wait") -> start of the open span
-        self._interval = {"busy": 0.0, "wait": 0.0}
-        self._total = {"busy": 0.0, "wait": 0.0}
-        self._items = self._tokens = 0
-        self._total_items = self._total_tokens = 0
-        self._interval_start = clock()
-
-    @contextmanager
-    def _span(self, kind: str) -> Iterator[None]:
-        key = (threading.get_ident(), kind)
-        with self._lock:
-            self._open[key] = self._clock()
-        try:
-            yield
-        finally:
-            with self._lock:
-                dt = self._clock() - self._open.pop(key)
-                self._interval[kind] += dt
-                self._total[kind] += dt
-
-    def busy(self) -> Any:
-        """Context manager around the stage function call."""
-        return self._span("busy")
-
-    def waiting(self) -> Any:
-        """Context manager around a blocking channel get/put."""
-        return self._span("wait")
-
-    def count(self, items: int = 1, tokens: int = 0) -> None:
-        with self._lock:
-            self._items += items
-            self._tokens += tokens
-            self._total_items += items
-            self._total_tokens += tokens
-
-    def take_window(self) -> StageWindow:
-        """Totals and fractions since the previous window (or construction); starts a new interval."""
-        with self._lock:
-            now = self._clock()
-            for key, start in self._open.items():  # credit spans still open, then restart them at `now`
-                self._interval[key[1]] += now - start
-                self._total[key[1]] += now - start
-                self._open[key] = now
-            interval = max(now - self._interval_start, 1e-9)
-            capacity = interval * self.workers
-            snap = StageWindow(
-                interval_s=interval,
-                busy_s=self._interval["busy"],
-                wait_s=self._interval["wait"],
-                items=self._items,
-                tokens=self._tokens,
-                busy_frac=self._interval["busy"] / capacity,
-                wait_frac=self._interval["wait"] / capacity,
-            )
-            self._interval = {"busy": 0.0, "wait": 0.0}
-            self._items = self._tokens = 0
-            self._interval_start = now
-            return snap
-
-    def totals(self) -> dict[str, float]:
-        """Cumulative counters plus stand-alone throughput: what the stage would sustain if it never waited
-        (``workers * items / busy_s``), the number a bench compares across stages."""
-        with self._lock:
-            busy, wait = self._total["busy"], self._total["wait"]
-            items, tokens = self._total_items, self._total_tokens
-        rate = self.workers / busy if busy > 0 else 0.0
-        return {
-            "busy_s": busy,
-            "wait_s": wait,
-            "items": items,
-            "tokens": tokens,
-            "workers": self.workers,
-            "items_per_s_standalone": items * rate,
-            "tokens_per_s_standalone": tokens * rate,
-        }
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -304,7 +186,6 @@ class Pipeline:
         self.hs_queue = BoundedChannel(queue_size, queue_bytes, name="hs_queue")
         self._stop = threading.Event()  # the one stop event every stage watches
         self._lock = threading.Lock()  # guards _error / _outcome / _turn bookkeeping
-        self._tick_lock = threading.Lock()
         self._interrupt: str | None = None  # set by request_stop without taking locks (signal-handler safe)
         self._stop_event = stop_event
         self._error: tuple[str, BaseException, str] | None = None
@@ -316,12 +197,10 @@ class Pipeline:
         self.leftover_threads: list[str] = []
         self._started = False
         self._t0 = self._t_end = 0.0
-        self._new_stats()
+        self._new_monitor()
 
-    def _new_stats(self) -> None:
-        self.source_stats = StageStats("source")
-        self.target_stats = StageStats("target", workers=self.target_workers)
-        self.drafter_stats = StageStats("drafter")
+    def _new_monitor(self) -> None:
+        self._monitor = Monitor(self.target_queue, self.hs_queue, self.target_workers, self._on_tick)
 
     # -- control --------------------------------------------------------------------------------------------
 
@@ -382,7 +261,7 @@ class Pipeline:
             raise RuntimeError("a Pipeline runs once; build a new one")
         self._started = True
         prev_threads = torch.get_num_threads()
-        self._new_stats()
+        self._new_monitor()
         self._t0 = time.perf_counter()
         try:
             self._start_thread("monitor", self._monitor_main)
@@ -408,7 +287,7 @@ class Pipeline:
             err = StageError(stage, exc, tb)
             raise err from exc
         stopped_by, reason = self._outcome or ("interrupted", "stopped")
-        totals = self.drafter_stats.totals()
+        totals = self._monitor.drafter.totals()
         log.info(
             "pipeline stopped: %s (%s) after %d items in %.1f s",
             stopped_by,
@@ -471,18 +350,18 @@ class Pipeline:
                 if self._stop.is_set():
                     return
                 stage = "source"
-                with self.source_stats.busy():
+                with self._monitor.source.busy():
                     try:
                         batch = next(it)
                     except StopIteration:
                         self._set_outcome("exhausted", "source exhausted")
                         return
                 tokens = _num_tokens(batch)
-                self.source_stats.count(1, tokens)
+                self._monitor.source.count(1, tokens)
                 stage = "target"
-                with self.target_stats.busy():
+                with self._monitor.target.busy():
                     item = self._target_fn(batch)
-                self.target_stats.count(1, tokens)
+                self._monitor.target.count(1, tokens)
                 stage = "drafter"
                 if not self._drafter_step(item, tokens):
                     return
@@ -490,9 +369,9 @@ class Pipeline:
             self._record_error(stage, exc)
 
     def _drafter_step(self, item: Any, tokens: int) -> bool:
-        with self.drafter_stats.busy():
+        with self._monitor.drafter.busy():
             keep = self._drafter_fn(item)
-        self.drafter_stats.count(1, tokens)
+        self._monitor.drafter.count(1, tokens)
         if not isinstance(keep, bool):
             raise TypeError(f"drafter_fn must return a bool (False = training finished), got {type(keep).__name__}")
         if not keep:
@@ -507,14 +386,14 @@ class Pipeline:
             it = iter(self._source)
             seq = 0
             while not self._stop.is_set():
-                with self.source_stats.busy():
+                with self._monitor.source.busy():
                     try:
                         batch = next(it)
                     except StopIteration:
                         return
                 tokens = _num_tokens(batch)
-                self.source_stats.count(1, tokens)
-                with self.source_stats.waiting():
+                self._monitor.source.count(1, tokens)
+                with self._monitor.source.waiting():
                     if not self.target_queue.put(_Envelope(seq, tokens, batch), self._stop):
                         return
                 seq += 1
@@ -527,14 +406,14 @@ class Pipeline:
         self._set_threads()
         try:
             while True:
-                with self.target_stats.waiting():
+                with self._monitor.target.waiting():
                     env = self.target_queue.get(self._stop)
                 if env is END:
                     return
-                with self.target_stats.busy():
+                with self._monitor.target.busy():
                     out = self._target_fn(env.payload)
-                self.target_stats.count(1, env.num_tokens)
-                with self.target_stats.waiting():
+                self._monitor.target.count(1, env.num_tokens)
+                with self._monitor.target.waiting():
                     if not self._put_in_order(_Envelope(env.seq, env.num_tokens, out)):
                         return
         except BaseException as exc:  # noqa: BLE001
@@ -563,7 +442,7 @@ class Pipeline:
         self._set_threads()
         try:
             while True:
-                with self.drafter_stats.waiting():
+                with self._monitor.drafter.waiting():
                     env = self.hs_queue.get(self._stop)
                 if env is END:
                     if not self._stop.is_set():
@@ -580,40 +459,16 @@ class Pipeline:
 
     def _monitor_main(self) -> None:
         try:
-            while not self._stop.wait(self._monitor_interval_s):
-                self._tick()
+            self._monitor.run(self._stop, self._monitor_interval_s)
         except BaseException as exc:  # noqa: BLE001
             self._record_error("monitor", exc)
-
-    def _sample(self) -> dict[str, float]:
-        """One monitor sample (resets the interval counters): the flat ``perf/*`` dict given to ``on_tick``."""
-        tgt = self.target_stats.take_window()
-        dft = self.drafter_stats.take_window()
-        self.source_stats.take_window()
-        return {
-            "perf/target_queue_depth": float(self.target_queue.depth()),
-            "perf/hs_queue_depth": float(self.hs_queue.depth()),
-            "perf/hs_queue_mb": self.hs_queue.nbytes() / 2**20,
-            "perf/target_busy": tgt.busy_frac,
-            "perf/target_wait": tgt.wait_frac,
-            "perf/drafter_busy": dft.busy_frac,
-            "perf/drafter_wait_s": dft.wait_s,
-            "perf/ktok_s": dft.tokens / dft.interval_s / 1000.0,
-            "perf/interval_s": dft.interval_s,
-        }
-
-    def _tick(self) -> None:
-        with self._tick_lock:
-            s = self._sample()
-            if self._on_tick is not None:
-                self._on_tick(s)
 
     def _final_tick(self) -> None:
         """Last sample after all stages stopped, so even a run shorter than one interval logs a line."""
         if any(t.name == "dflash-monitor" for t in self._threads if t.is_alive()):
             return  # monitor stuck inside on_tick; do not call it concurrently
         try:
-            self._tick()
+            self._monitor.tick()
         except Exception as exc:  # noqa: BLE001
             self._record_error("monitor", exc)
 
@@ -623,10 +478,5 @@ class Pipeline:
         return {
             "mode": self.mode,
             "wall_s": end - self._t0 if self._t0 else 0.0,
-            "source": self.source_stats.totals(),
-            "target": self.target_stats.totals(),
-            "drafter": self.drafter_stats.totals(),
-            "target_queue_peak_depth": self.target_queue.peak_depth,
-            "hs_queue_peak_depth": self.hs_queue.peak_depth,
-            "hs_queue_peak_mb": self.hs_queue.peak_bytes / 2**20,
+            **self._monitor.totals(),
         }
