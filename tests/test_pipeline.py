@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from dflash import interrupts
 from dflash.train.pipeline import (
     END,
     MONITOR_KEYS,
@@ -322,29 +323,20 @@ def test_drafter_false_finishes_infinite_source(mode):
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
-def test_request_stop_from_other_thread(mode):
+def test_caller_stop_event_stops_the_run(mode):
+    """The one way to stop a run from outside: run.py hands the event its SIGTERM/SIGINT handler sets; no
+    watcher thread is needed to forward it."""
+    stop = threading.Event()
     seen: list[int] = []
-    p = make(batches(None), sleepy_target(0.01), collecting_drafter(seen, 0.01), mode=mode)
-    timer = threading.Timer(0.3, p.request_stop, args=("test says stop",))
+    p = make(batches(None), sleepy_target(0.01), collecting_drafter(seen, 0.01), mode=mode, stop_event=stop)
+    timer = threading.Timer(0.3, stop.set)
     timer.start()
     t0 = time.perf_counter()
     res = p.run()
     elapsed = time.perf_counter() - t0
     timer.join()
-    assert res.stopped_by == "interrupted" and res.reason == "test says stop"
-    assert 0.25 < elapsed < 3.0 and len(seen) > 0
-
-
-@pytest.mark.parametrize("mode", ["async", "sync"])
-def test_caller_stop_event_stops_the_run(mode):
-    """run.py hands its SIGTERM event to the pipeline; no watcher thread is needed to forward it."""
-    stop = threading.Event()
-    p = make(batches(None), sleepy_target(0.01), collecting_drafter([], 0.01), mode=mode, stop_event=stop)
-    timer = threading.Timer(0.3, stop.set)
-    timer.start()
-    res = p.run()
-    timer.join()
     assert res.stopped_by == "interrupted" and res.reason == "stop event set"
+    assert 0.25 < elapsed < 3.0 and len(seen) > 0
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
@@ -364,10 +356,13 @@ def test_generator_source_is_closed_when_run_returns(mode):
     assert closed == [threading.current_thread().name]
 
 
-def test_sigint_handler_reaches_request_stop():
-    """The main thread waits in short slices, so a Python signal handler runs during run()."""
-    p = make(batches(None), sleepy_target(0.01), collecting_drafter([], 0.01))
-    old = signal.signal(signal.SIGINT, lambda signum, frame: p.request_stop(f"signal {signum}"))
+def test_signal_handler_stops_the_run(monkeypatch):
+    """The main thread waits in short slices, so the real SIGINT handler (dflash.interrupts) runs during run()
+    and the event it sets stops the pipeline."""
+    monkeypatch.setattr(interrupts, "received", None)  # restored after the test, as the handler sets it
+    stop = threading.Event()
+    p = make(batches(None), sleepy_target(0.01), collecting_drafter([], 0.01), stop_event=stop)
+    previous = interrupts.install_signal_handlers(stop)
     try:
         timer = threading.Timer(0.3, os.kill, args=(os.getpid(), signal.SIGINT))
         timer.start()
@@ -375,9 +370,10 @@ def test_sigint_handler_reaches_request_stop():
         res = p.run()
         timer.join()
     finally:
-        signal.signal(signal.SIGINT, old)
-    assert res.stopped_by == "interrupted" and res.reason == f"signal {int(signal.SIGINT)}"
-    assert time.perf_counter() - t0 < 3.0
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert res.stopped_by == "interrupted" and res.reason == "stop event set"
+    assert interrupts.received == signal.SIGINT and time.perf_counter() - t0 < 3.0
 
 
 def test_stuck_stage_is_abandoned_after_join_timeout(caplog):

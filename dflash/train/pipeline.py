@@ -13,11 +13,15 @@ The module knows nothing about models. The caller injects three things:
 
 ``mode="sync"`` calls the same three stages one after the other in the caller's thread (the baseline).
 
-Lifetime is owned by ``Pipeline.run()``: one stop event, the first exception in any stage stops every stage
-and is re-raised as ``StageError`` naming the stage; every thread is joined (with a timeout) before ``run()``
-returns or raises. ``request_stop()`` is safe to call from a signal handler; ``run()`` then returns a
-``PipelineResult`` with ``stopped_by="interrupted"`` (it does not raise), so the caller can checkpoint and
-write ``status.json=interrupted`` on the normal return path.
+Lifetime is owned by ``Pipeline.run()``: one internal stop event every stage watches; the first exception in
+any stage stops every stage and is re-raised as ``StageError`` naming the stage; every thread is joined (with a
+timeout) before ``run()`` returns or raises.
+
+A run is stopped from outside one way: the caller's ``stop_event``, which ``dflash.interrupts``' SIGTERM/SIGINT
+handler sets (``run.py`` passes it). ``run()``'s thread checks it every ``POLL_S`` seconds (sync mode: before
+each step, so the current step finishes first), stops every stage and returns a ``PipelineResult`` with
+``stopped_by="interrupted"`` (it does not raise), so the caller can checkpoint and write
+``status.json=interrupted`` on the normal return path.
 
 The channels are ``dflash/train/channel.py``'s ``BoundedChannel`` (re-exported here with ``END``,
 ``ChannelClosed`` and ``item_nbytes``); no stage touches another stage's objects.
@@ -81,7 +85,7 @@ class PipelineResult:
     """How a run ended without error.
 
     stopped_by: "finished" (drafter_fn returned False), "exhausted" (source ran out and everything was
-    consumed) or "interrupted" (request_stop was called).
+    consumed) or "interrupted" (the caller's stop_event was set).
     """
 
     stopped_by: str
@@ -131,8 +135,9 @@ class Pipeline:
             (stuck inside a stage function) are daemon threads, logged with a warning and abandoned.
         threads_per_stage: if set, each stage thread calls ``torch.set_num_threads(n)`` first (sync mode: the
             caller's thread). See the note below. ``None`` leaves torch's threading alone.
-        stop_event: an event owned by the caller (e.g. set by its SIGTERM handler); once set, the run stops as
-            if ``request_stop`` had been called. Polled, so no helper thread has to watch it.
+        stop_event: an event owned by the caller (``dflash.interrupts``' handler sets it on SIGTERM/SIGINT); once
+            set, the run stops with ``stopped_by="interrupted"``. Polled by ``run()``'s thread, so no helper thread
+            has to watch it; ``None``: only the stages end the run (a data-parallel run stops in its trainer).
 
     Note on ``threads_per_stage`` (measured with torch 2.13 CPU, OpenMP backend): ``torch.set_num_threads``
     sets the OpenMP team size of the *calling* thread and a process-wide default that threads pick up on their
@@ -186,7 +191,6 @@ class Pipeline:
         self.hs_queue = BoundedChannel(queue_size, queue_bytes, name="hs_queue")
         self._stop = threading.Event()  # the one stop event every stage watches
         self._lock = threading.Lock()  # guards _error / _outcome / _turn bookkeeping
-        self._interrupt: str | None = None  # set by request_stop without taking locks (signal-handler safe)
         self._stop_event = stop_event
         self._error: tuple[str, BaseException, str] | None = None
         self._outcome: tuple[str, str] | None = None
@@ -209,15 +213,6 @@ class Pipeline:
         """Set once the pipeline is stopping (for a source that blocks outside the pipeline's queues)."""
         return self._stop
 
-    def request_stop(self, reason: str = "interrupted") -> None:
-        """Ask the run to stop; ``run()`` then returns with ``stopped_by="interrupted"``.
-
-        Takes no lock and sets no event (a Python signal handler may run while the main thread holds one);
-        ``run()``'s loop turns it into the stop event within ~``POLL_S`` seconds. In sync mode the current
-        stage call finishes first.
-        """
-        self._interrupt = reason
-
     def _set_outcome(self, stopped_by: str, reason: str) -> None:
         with self._lock:
             if self._outcome is None:
@@ -238,12 +233,11 @@ class Pipeline:
             )
         self._stop.set()
 
-    def _poll_interrupt(self) -> None:
-        if self._interrupt is None and self._stop_event is not None and self._stop_event.is_set():
-            self._interrupt = "stop event set"
-        if self._interrupt is not None and not self._stop.is_set():
-            log.warning("pipeline stop requested: %s", self._interrupt)
-            self._set_outcome("interrupted", self._interrupt)
+    def _check_stop_event(self) -> None:
+        """The caller's stop event, once set, stops the run as "interrupted"."""
+        if self._stop_event is not None and self._stop_event.is_set() and not self._stop.is_set():
+            log.warning("pipeline stop requested: stop event set")
+            self._set_outcome("interrupted", "stop event set")
 
     def _set_threads(self) -> None:
         if self._threads_per_stage is not None:
@@ -314,7 +308,7 @@ class Pipeline:
     def _wait(self) -> None:
         # Short timed slices: the main thread stays responsive to Python signal handlers.
         while not self._stop.wait(POLL_S):
-            self._poll_interrupt()
+            self._check_stop_event()
 
     def _join_all(self) -> None:
         deadline = time.monotonic() + self._join_timeout_s
@@ -346,7 +340,7 @@ class Pipeline:
         stage = "source"
         try:
             while True:
-                self._poll_interrupt()
+                self._check_stop_event()
                 if self._stop.is_set():
                     return
                 stage = "source"
