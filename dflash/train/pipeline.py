@@ -30,11 +30,12 @@ The channels are ``dflash/train/channel.py``'s ``BoundedChannel`` (re-exported h
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -333,46 +334,60 @@ class Pipeline:
         if callable(close) and not self.leftover_threads:
             close()
 
-    # -- sync mode ----------------------------------------------------------------------------------------
+    # -- stage steps: one item through one stage, with its accounting (both modes run these) --------------
 
-    def _run_sync(self) -> None:
-        it = iter(self._source)
-        stage = "source"
-        try:
-            while True:
-                self._check_stop_event()
-                if self._stop.is_set():
-                    return
-                stage = "source"
-                with self._monitor.source.busy():
-                    try:
-                        batch = next(it)
-                    except StopIteration:
-                        self._set_outcome("exhausted", "source exhausted")
-                        return
-                tokens = _num_tokens(batch)
-                self._monitor.source.count(1, tokens)
-                stage = "target"
-                with self._monitor.target.busy():
-                    item = self._target_fn(batch)
-                self._monitor.target.count(1, tokens)
-                stage = "drafter"
-                if not self._drafter_step(item, tokens):
-                    return
-        except Exception as exc:  # noqa: BLE001 - re-raised by run() as StageError
-            self._record_error(stage, exc)
+    def _source_step(self, it: Iterator[Any], seq: int) -> _Envelope | None:
+        """The source's next batch, or ``None`` once it is exhausted."""
+        with self._monitor.source.busy():
+            try:
+                batch = next(it)
+            except StopIteration:
+                return None
+        env = _Envelope(seq, _num_tokens(batch), batch)
+        self._monitor.source.count(1, env.num_tokens)
+        return env
 
-    def _drafter_step(self, item: Any, tokens: int) -> bool:
+    def _target_step(self, env: _Envelope) -> _Envelope:
+        with self._monitor.target.busy():
+            out = self._target_fn(env.payload)
+        self._monitor.target.count(1, env.num_tokens)
+        return _Envelope(env.seq, env.num_tokens, out)
+
+    def _drafter_step(self, env: _Envelope) -> bool:
+        """One drafter step; ``False`` once drafter_fn said training is finished."""
         with self._monitor.drafter.busy():
-            keep = self._drafter_fn(item)
-        self._monitor.drafter.count(1, tokens)
+            keep = self._drafter_fn(env.payload)
+        self._monitor.drafter.count(1, env.num_tokens)
         if not isinstance(keep, bool):
             raise TypeError(f"drafter_fn must return a bool (False = training finished), got {type(keep).__name__}")
         if not keep:
             self._set_outcome("finished", "drafter_fn returned False")
         return keep
 
-    # -- async stages -------------------------------------------------------------------------------------
+    # -- sync mode: the three steps one after the other in run()'s thread ----------------------------------
+
+    def _run_sync(self) -> None:
+        it = iter(self._source)
+        stage = "source"
+        try:
+            for seq in itertools.count():
+                self._check_stop_event()
+                if self._stop.is_set():
+                    return
+                stage = "source"
+                env = self._source_step(it, seq)
+                if env is None:
+                    self._set_outcome("exhausted", "source exhausted")
+                    return
+                stage = "target"
+                env = self._target_step(env)
+                stage = "drafter"
+                if not self._drafter_step(env):
+                    return
+        except Exception as exc:  # noqa: BLE001 - re-raised by run() as StageError
+            self._record_error(stage, exc)
+
+    # -- async mode: each step in a loop of its own thread, joined by the channels ------------------------
 
     def _source_main(self) -> None:
         self._set_threads()
@@ -380,15 +395,11 @@ class Pipeline:
             it = iter(self._source)
             seq = 0
             while not self._stop.is_set():
-                with self._monitor.source.busy():
-                    try:
-                        batch = next(it)
-                    except StopIteration:
-                        return
-                tokens = _num_tokens(batch)
-                self._monitor.source.count(1, tokens)
+                env = self._source_step(it, seq)
+                if env is None:
+                    return
                 with self._monitor.source.waiting():
-                    if not self.target_queue.put(_Envelope(seq, tokens, batch), self._stop):
+                    if not self.target_queue.put(env, self._stop):
                         return
                 seq += 1
         except BaseException as exc:  # noqa: BLE001 - SystemExit too: a thread must not vanish silently
@@ -404,11 +415,9 @@ class Pipeline:
                     env = self.target_queue.get(self._stop)
                 if env is END:
                     return
-                with self._monitor.target.busy():
-                    out = self._target_fn(env.payload)
-                self._monitor.target.count(1, env.num_tokens)
+                env = self._target_step(env)
                 with self._monitor.target.waiting():
-                    if not self._put_in_order(_Envelope(env.seq, env.num_tokens, out)):
+                    if not self._put_in_order(env):
                         return
         except BaseException as exc:  # noqa: BLE001
             self._record_error("target", exc)
@@ -442,7 +451,7 @@ class Pipeline:
                     if not self._stop.is_set():
                         self._set_outcome("exhausted", "source exhausted")
                     return
-                if not self._drafter_step(env.payload, env.num_tokens):
+                if not self._drafter_step(env):
                     return
         except BaseException as exc:  # noqa: BLE001
             self._record_error("drafter", exc)
