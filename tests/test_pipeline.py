@@ -1,4 +1,5 @@
-"""Tests for dflash/train/pipeline.py with fake stages (time.sleep and small tensors); no model is involved."""
+"""Tests for dflash/train/pipeline.py, channel.py and monitor.py with fake stages (time.sleep and small tensors);
+no model is involved."""
 
 from __future__ import annotations
 
@@ -14,16 +15,10 @@ import pytest
 import torch
 
 from dflash import interrupts
-from dflash.train.pipeline import (
-    END,
-    MONITOR_KEYS,
-    BoundedChannel,
-    ChannelClosed,
-    Pipeline,
-    StageError,
-    StageStats,
-    item_nbytes,
-)
+from dflash.train import channel, monitor, pipeline
+from dflash.train.channel import END, BoundedChannel, ChannelClosed, InOrder, item_nbytes
+from dflash.train.monitor import MONITOR_KEYS, StageStats
+from dflash.train.pipeline import Pipeline, StageError
 
 
 @dataclass
@@ -134,6 +129,30 @@ def test_channel_byte_bound_and_oversized_item():
     t, out = _start(big.put, huge)
     t.join(2)
     assert out["value"] is True and big.nbytes() == 4000
+
+
+def test_in_order_puts_in_sequence_whatever_finishes_first():
+    ch, stop = BoundedChannel(4), threading.Event()
+    ordered = InOrder(ch)
+    t2, out2 = _start(ordered.put, 2, "c")
+    t1, out1 = _start(ordered.put, 1, "b")
+    time.sleep(0.2)
+    assert ch.depth() == 0  # 1 and 2 wait for 0
+    assert ordered.put(0, "a")
+    t1.join(2), t2.join(2)
+    assert [ch.get(), ch.get(), ch.get()] == ["a", "b", "c"] and out1["value"] and out2["value"]
+    t4, out4 = _start(ordered.put, 4, "e", stop)  # 3 never comes: the stop event releases it, item dropped
+    time.sleep(0.2)
+    stop.set()
+    t4.join(2)
+    assert out4["value"] is False and ch.depth() == 0
+
+
+def test_pipeline_keeps_the_old_import_path_of_the_channel_and_monitor():
+    for name in ("END", "BoundedChannel", "ChannelClosed", "item_nbytes"):
+        assert getattr(pipeline, name) is getattr(channel, name)
+    for name in ("MONITOR_KEYS", "StageStats", "StageWindow"):
+        assert getattr(pipeline, name) is getattr(monitor, name)
 
 
 def test_channel_rejects_bad_bounds():

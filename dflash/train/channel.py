@@ -3,7 +3,7 @@
 ``BoundedChannel`` (put/get/close/depth) is the seam where, on many nodes, a stage's input or output becomes a
 cross-process transport (``dflash/train/transport.py`` uses it as its receiver's local queue); no stage touches
 another stage's objects. ``get`` returns ``END`` once the channel is closed and drained, or when the stop event
-is set.
+is set. ``InOrder`` puts into a channel in sequence order, for several workers that feed one consumer.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["END", "POLL_S", "BoundedChannel", "ChannelClosed", "item_nbytes"]
+__all__ = ["END", "POLL_S", "BoundedChannel", "ChannelClosed", "InOrder", "item_nbytes"]
 
 # How often blocked waits re-check the stop event; bounds the shutdown latency of a blocked stage.
 POLL_S = 0.1
@@ -156,3 +156,28 @@ class BoundedChannel:
     def nbytes(self) -> int:
         with self._cond:
             return self._bytes
+
+
+class InOrder:
+    """Puts into ``channel`` in sequence order (0, 1, 2, ...) whatever order its producers finish in: the put of
+    ``seq`` waits until every earlier one is in, so several workers keep their source's order."""
+
+    def __init__(self, channel: BoundedChannel, poll_s: float = POLL_S) -> None:
+        self.channel = channel
+        self._poll_s = poll_s
+        self._turn = threading.Condition()
+        self._next_seq = 0
+
+    def put(self, seq: int, item: Any, stop_event: threading.Event | None = None) -> bool:
+        """Queue ``item`` once its turn comes (blocking while the channel is full); ``False`` (item dropped) if
+        the stop event is set first."""
+        with self._turn:
+            while self._next_seq != seq:
+                if stop_event is not None and stop_event.is_set():
+                    return False
+                self._turn.wait(self._poll_s)
+        ok = self.channel.put(item, stop_event)
+        with self._turn:
+            self._next_seq += 1
+            self._turn.notify_all()
+        return ok

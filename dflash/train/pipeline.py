@@ -41,23 +41,14 @@ from typing import Any
 import torch
 
 from dflash.config import PIPELINE_MODES
-from dflash.train.channel import END, POLL_S, BoundedChannel, ChannelClosed, item_nbytes
+from dflash.train.channel import END, POLL_S, BoundedChannel, ChannelClosed, InOrder, item_nbytes
 from dflash.train.monitor import MONITOR_KEYS, Monitor, StageStats, StageWindow
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "END",
-    "BoundedChannel",
-    "ChannelClosed",
-    "MONITOR_KEYS",
-    "Pipeline",
-    "PipelineResult",
-    "StageError",
-    "StageWindow",
-    "StageStats",
-    "item_nbytes",
-]
+__all__ = ["Pipeline", "PipelineResult", "StageError"]
+# the import path of the channel's and the monitor's names before they had modules of their own
+__all__ += ["END", "BoundedChannel", "ChannelClosed", "item_nbytes", "MONITOR_KEYS", "StageStats", "StageWindow"]
 
 
 class StageError(RuntimeError):
@@ -75,10 +66,6 @@ class StageError(RuntimeError):
         # a job's exception travels pickled (submitit, Hydra's JobReturn): rebuilt from text, as its cause may
         # not pickle (the cause itself is not carried: Python never pickles __cause__)
         return (type(self), (self.stage, self.error, self.traceback_text))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Pipeline
 
 
 @dataclasses.dataclass
@@ -113,6 +100,11 @@ def _num_tokens(batch: Any) -> int:
             f"every batch needs an int attribute num_tokens; got {type(batch).__name__} with num_tokens={n!r}"
         )
     return n
+
+
+def _check(ok: bool, arg: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{arg}={value!r} is invalid: {rule}")
 
 
 class Pipeline:
@@ -164,20 +156,18 @@ class Pipeline:
         threads_per_stage: int | None = None,
         stop_event: threading.Event | None = None,
     ) -> None:
-        if mode not in PIPELINE_MODES:
-            raise ValueError(f"mode={mode!r} is invalid: must be one of async, sync")
-        if queue_size < 1:
-            raise ValueError(f"queue_size={queue_size!r} is invalid: must be >= 1")
-        if queue_bytes is not None and queue_bytes < 1:
-            raise ValueError(f"queue_bytes={queue_bytes!r} is invalid: must be >= 1 (or None)")
-        if target_workers < 1:
-            raise ValueError(f"target_workers={target_workers!r} is invalid: must be >= 1")
-        if monitor_interval_s <= 0:
-            raise ValueError(f"monitor_interval_s={monitor_interval_s!r} is invalid: must be > 0")
-        if join_timeout_s <= 0:
-            raise ValueError(f"join_timeout_s={join_timeout_s!r} is invalid: must be > 0")
-        if threads_per_stage is not None and threads_per_stage < 1:
-            raise ValueError(f"threads_per_stage={threads_per_stage!r} is invalid: must be >= 1 (or None)")
+        _check(mode in PIPELINE_MODES, "mode", mode, "must be one of async, sync")
+        _check(queue_size >= 1, "queue_size", queue_size, "must be >= 1")
+        _check(queue_bytes is None or queue_bytes >= 1, "queue_bytes", queue_bytes, "must be >= 1 (or None)")
+        _check(target_workers >= 1, "target_workers", target_workers, "must be >= 1")
+        _check(monitor_interval_s > 0, "monitor_interval_s", monitor_interval_s, "must be > 0")
+        _check(join_timeout_s > 0, "join_timeout_s", join_timeout_s, "must be > 0")
+        _check(
+            threads_per_stage is None or threads_per_stage >= 1,
+            "threads_per_stage",
+            threads_per_stage,
+            "must be >= 1 (or None)",
+        )
         self._source = source
         self._target_fn = target_fn
         self._drafter_fn = drafter_fn
@@ -190,13 +180,12 @@ class Pipeline:
 
         self.target_queue = BoundedChannel(queue_size, name="target_queue")
         self.hs_queue = BoundedChannel(queue_size, queue_bytes, name="hs_queue")
+        self._hs_in_order = InOrder(self.hs_queue)  # target workers hand on their results in source order
         self._stop = threading.Event()  # the one stop event every stage watches
-        self._lock = threading.Lock()  # guards _error / _outcome / _turn bookkeeping
+        self._lock = threading.Lock()  # guards _error / _outcome / _workers_left
         self._stop_event = stop_event
         self._error: tuple[str, BaseException, str] | None = None
         self._outcome: tuple[str, str] | None = None
-        self._turn = threading.Condition(self._lock)  # ordered hand-off of target results
-        self._next_seq = 0
         self._workers_left = self.target_workers
         self._threads: list[threading.Thread] = []
         self.leftover_threads: list[str] = []
@@ -259,7 +248,7 @@ class Pipeline:
         self._new_monitor()
         self._t0 = time.perf_counter()
         try:
-            self._start_thread("monitor", self._monitor_main)
+            self._start_thread("monitor", lambda: self._monitor.run(self._stop, self._monitor_interval_s))
             if self.mode == "sync":
                 self._set_threads()
                 self._run_sync()
@@ -279,32 +268,39 @@ class Pipeline:
 
         if self._error is not None:
             stage, exc, tb = self._error
-            err = StageError(stage, exc, tb)
-            raise err from exc
+            raise StageError(stage, exc, tb) from exc
         stopped_by, reason = self._outcome or ("interrupted", "stopped")
-        totals = self._monitor.drafter.totals()
-        log.info(
-            "pipeline stopped: %s (%s) after %d items in %.1f s",
-            stopped_by,
-            reason,
-            totals["items"],
-            self._t_end - self._t0,
-        )
-        return PipelineResult(
-            stopped_by, reason, int(totals["items"]), int(totals["tokens"]), self._t_end - self._t0, self.stats()
-        )
+        totals, wall_s = self._monitor.drafter.totals(), self._t_end - self._t0
+        items, tokens = int(totals["items"]), int(totals["tokens"])
+        log.info("pipeline stopped: %s (%s) after %d items in %.1f s", stopped_by, reason, items, wall_s)
+        return PipelineResult(stopped_by, reason, items, tokens, wall_s, self.stats())
 
-    def _start_thread(self, name: str, body: Callable[[], None]) -> None:
+    def _start_thread(
+        self, stage: str, body: Callable[[], None], after: Callable[[], None] | None = None, worker: str = ""
+    ) -> None:
+        """Thread ``dflash-<stage><worker>`` runs ``body``, then ``after`` on every way out; an exception in it
+        (SystemExit too: a thread must not vanish silently) fails ``stage``."""
+
+        def main() -> None:
+            try:
+                body()
+            except BaseException as exc:  # noqa: BLE001 - re-raised by run() as StageError
+                self._record_error(stage, exc)
+            finally:
+                if after is not None:
+                    after()
+
         # Daemon: a thread stuck inside a stage function must not keep the process alive after run() gives up.
-        t = threading.Thread(target=body, name=f"dflash-{name}", daemon=True)
+        t = threading.Thread(target=main, name=f"dflash-{stage}{worker}", daemon=True)
         self._threads.append(t)
         t.start()
 
     def _start_async(self) -> None:
-        self._start_thread("source", self._source_main)
+        self._start_thread("source", self._source_loop, after=self.target_queue.close)
         for i in range(self.target_workers):
-            self._start_thread(f"target-{i}", self._target_main)
-        self._start_thread("drafter", self._drafter_main)
+            self._start_thread("target", self._target_loop, after=self._target_worker_done, worker=f"-{i}")
+        # the drafter is the last stage: once it is gone, everything stops
+        self._start_thread("drafter", self._drafter_loop, after=self._stop.set)
 
     def _wait(self) -> None:
         # Short timed slices: the main thread stays responsive to Python signal handlers.
@@ -389,82 +385,51 @@ class Pipeline:
 
     # -- async mode: each step in a loop of its own thread, joined by the channels ------------------------
 
-    def _source_main(self) -> None:
+    def _source_loop(self) -> None:
         self._set_threads()
-        try:
-            it = iter(self._source)
-            seq = 0
-            while not self._stop.is_set():
-                env = self._source_step(it, seq)
-                if env is None:
+        it = iter(self._source)
+        for seq in itertools.count():
+            if self._stop.is_set():
+                return
+            env = self._source_step(it, seq)
+            if env is None:
+                return
+            with self._monitor.source.waiting():
+                if not self.target_queue.put(env, self._stop):
                     return
-                with self._monitor.source.waiting():
-                    if not self.target_queue.put(env, self._stop):
-                        return
-                seq += 1
-        except BaseException as exc:  # noqa: BLE001 - SystemExit too: a thread must not vanish silently
-            self._record_error("source", exc)
-        finally:
-            self.target_queue.close()
 
-    def _target_main(self) -> None:
+    def _target_loop(self) -> None:
         self._set_threads()
-        try:
-            while True:
-                with self._monitor.target.waiting():
-                    env = self.target_queue.get(self._stop)
-                if env is END:
+        while True:
+            with self._monitor.target.waiting():
+                env = self.target_queue.get(self._stop)
+            if env is END:
+                return
+            env = self._target_step(env)
+            with self._monitor.target.waiting():
+                if not self._hs_in_order.put(env.seq, env, self._stop):
                     return
-                env = self._target_step(env)
-                with self._monitor.target.waiting():
-                    if not self._put_in_order(env):
-                        return
-        except BaseException as exc:  # noqa: BLE001
-            self._record_error("target", exc)
-        finally:
-            with self._lock:
-                self._workers_left -= 1
-                last = self._workers_left == 0
-            if last:
-                self.hs_queue.close()
 
-    def _put_in_order(self, env: _Envelope) -> bool:
-        """Put into hs_queue only when every earlier seq is in (source order, whatever the worker count)."""
-        with self._turn:
-            while self._next_seq != env.seq:
-                if self._stop.is_set():
-                    return False
-                self._turn.wait(POLL_S)
-        ok = self.hs_queue.put(env, self._stop)
-        with self._turn:
-            self._next_seq += 1
-            self._turn.notify_all()
-        return ok
+    def _target_worker_done(self) -> None:
+        with self._lock:
+            self._workers_left -= 1
+            last = self._workers_left == 0
+        if last:
+            self.hs_queue.close()
 
-    def _drafter_main(self) -> None:
+    def _drafter_loop(self) -> None:
         self._set_threads()
-        try:
-            while True:
-                with self._monitor.drafter.waiting():
-                    env = self.hs_queue.get(self._stop)
-                if env is END:
-                    if not self._stop.is_set():
-                        self._set_outcome("exhausted", "source exhausted")
-                    return
-                if not self._drafter_step(env):
-                    return
-        except BaseException as exc:  # noqa: BLE001
-            self._record_error("drafter", exc)
-        finally:
-            self._stop.set()  # the drafter is the last stage: once it is gone, everything stops
+        while True:
+            with self._monitor.drafter.waiting():
+                env = self.hs_queue.get(self._stop)
+            if env is END:
+                if not self._stop.is_set():
+                    self._set_outcome("exhausted", "source exhausted")
+                return
+            if not self._drafter_step(env):
+                return
 
     # -- monitor ------------------------------------------------------------------------------------------
-
-    def _monitor_main(self) -> None:
-        try:
-            self._monitor.run(self._stop, self._monitor_interval_s)
-        except BaseException as exc:  # noqa: BLE001
-            self._record_error("monitor", exc)
 
     def _final_tick(self) -> None:
         """Last sample after all stages stopped, so even a run shorter than one interval logs a line."""
@@ -478,8 +443,4 @@ class Pipeline:
     def stats(self) -> dict[str, Any]:
         """Cumulative per-stage busy/wait totals and stand-alone throughput, plus queue peaks (for the bench)."""
         end = self._t_end or time.perf_counter()
-        return {
-            "mode": self.mode,
-            "wall_s": end - self._t0 if self._t0 else 0.0,
-            **self._monitor.totals(),
-        }
+        return {"mode": self.mode, "wall_s": end - self._t0 if self._t0 else 0.0, **self._monitor.totals()}
