@@ -18,13 +18,13 @@ any stage stops every stage and is re-raised as ``StageError`` naming the stage;
 timeout) before ``run()`` returns or raises.
 
 A run is stopped from outside one way: the caller's ``stop_event``, which ``dflash.interrupts``' SIGTERM/SIGINT
-handler sets (``run.py`` passes it). ``run()``'s thread checks it every ``POLL_S`` seconds (sync mode: before
-each step, so the current step finishes first), stops every stage and returns a ``PipelineResult`` with
-``stopped_by="interrupted"`` (it does not raise), so the caller can checkpoint and write
-``status.json=interrupted`` on the normal return path.
+handler sets (``run.py`` passes it unless the drafter trains on several ranks, which agree on a stop in their
+trainer). ``run()``'s thread checks it every ``POLL_S`` seconds (sync mode: before each batch, so the current
+drafter step finishes first), stops every stage and returns with ``stopped_by="interrupted"`` (it does not
+raise), so the caller can checkpoint and write ``status.json``.
 
-The channels are ``dflash/train/channel.py``'s ``BoundedChannel`` (re-exported here with ``END``,
-``ChannelClosed`` and ``item_nbytes``); no stage touches another stage's objects.
+The channels are ``dflash/train/channel.py``'s, the stage statistics and the monitor ``dflash/train/monitor.py``'s
+(their names are re-exported here); no stage touches another stage's objects.
 """
 
 from __future__ import annotations
