@@ -1,4 +1,5 @@
-"""Tests for dflash/train/pipeline.py with fake stages (time.sleep and small tensors); no model is involved."""
+"""Tests for dflash/train/pipeline.py, channel.py and monitor.py with fake stages (time.sleep and small tensors);
+no model is involved."""
 
 from __future__ import annotations
 
@@ -13,16 +14,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dflash.train.pipeline import (
-    END,
-    MONITOR_KEYS,
-    BoundedChannel,
-    ChannelClosed,
-    Pipeline,
-    StageError,
-    StageStats,
-    item_nbytes,
-)
+from dflash import interrupts
+from dflash.train import channel, monitor, pipeline
+from dflash.train.channel import END, BoundedChannel, ChannelClosed, InOrder, item_nbytes
+from dflash.train.monitor import MONITOR_KEYS, StageStats
+from dflash.train.pipeline import Pipeline, StageError
 
 
 @dataclass
@@ -133,6 +129,30 @@ def test_channel_byte_bound_and_oversized_item():
     t, out = _start(big.put, huge)
     t.join(2)
     assert out["value"] is True and big.nbytes() == 4000
+
+
+def test_in_order_puts_in_sequence_whatever_finishes_first():
+    ch, stop = BoundedChannel(4), threading.Event()
+    ordered = InOrder(ch)
+    t2, out2 = _start(ordered.put, 2, "c")
+    t1, out1 = _start(ordered.put, 1, "b")
+    time.sleep(0.2)
+    assert ch.depth() == 0  # 1 and 2 wait for 0
+    assert ordered.put(0, "a")
+    t1.join(2), t2.join(2)
+    assert [ch.get(), ch.get(), ch.get()] == ["a", "b", "c"] and out1["value"] and out2["value"]
+    t4, out4 = _start(ordered.put, 4, "e", stop)  # 3 never comes: the stop event releases it, item dropped
+    time.sleep(0.2)
+    stop.set()
+    t4.join(2)
+    assert out4["value"] is False and ch.depth() == 0
+
+
+def test_pipeline_keeps_the_old_import_path_of_the_channel_and_monitor():
+    for name in ("END", "BoundedChannel", "ChannelClosed", "item_nbytes"):
+        assert getattr(pipeline, name) is getattr(channel, name)
+    for name in ("MONITOR_KEYS", "StageStats", "StageWindow"):
+        assert getattr(pipeline, name) is getattr(monitor, name)
 
 
 def test_channel_rejects_bad_bounds():
@@ -322,29 +342,20 @@ def test_drafter_false_finishes_infinite_source(mode):
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
-def test_request_stop_from_other_thread(mode):
+def test_caller_stop_event_stops_the_run(mode):
+    """The one way to stop a run from outside: run.py hands the event its SIGTERM/SIGINT handler sets; no
+    watcher thread is needed to forward it."""
+    stop = threading.Event()
     seen: list[int] = []
-    p = make(batches(None), sleepy_target(0.01), collecting_drafter(seen, 0.01), mode=mode)
-    timer = threading.Timer(0.3, p.request_stop, args=("test says stop",))
+    p = make(batches(None), sleepy_target(0.01), collecting_drafter(seen, 0.01), mode=mode, stop_event=stop)
+    timer = threading.Timer(0.3, stop.set)
     timer.start()
     t0 = time.perf_counter()
     res = p.run()
     elapsed = time.perf_counter() - t0
     timer.join()
-    assert res.stopped_by == "interrupted" and res.reason == "test says stop"
-    assert 0.25 < elapsed < 3.0 and len(seen) > 0
-
-
-@pytest.mark.parametrize("mode", ["async", "sync"])
-def test_caller_stop_event_stops_the_run(mode):
-    """run.py hands its SIGTERM event to the pipeline; no watcher thread is needed to forward it."""
-    stop = threading.Event()
-    p = make(batches(None), sleepy_target(0.01), collecting_drafter([], 0.01), mode=mode, stop_event=stop)
-    timer = threading.Timer(0.3, stop.set)
-    timer.start()
-    res = p.run()
-    timer.join()
     assert res.stopped_by == "interrupted" and res.reason == "stop event set"
+    assert 0.25 < elapsed < 3.0 and len(seen) > 0
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
@@ -364,10 +375,13 @@ def test_generator_source_is_closed_when_run_returns(mode):
     assert closed == [threading.current_thread().name]
 
 
-def test_sigint_handler_reaches_request_stop():
-    """The main thread waits in short slices, so a Python signal handler runs during run()."""
-    p = make(batches(None), sleepy_target(0.01), collecting_drafter([], 0.01))
-    old = signal.signal(signal.SIGINT, lambda signum, frame: p.request_stop(f"signal {signum}"))
+def test_signal_handler_stops_the_run(monkeypatch):
+    """The main thread waits in short slices, so the real SIGINT handler (dflash.interrupts) runs during run()
+    and the event it sets stops the pipeline."""
+    monkeypatch.setattr(interrupts, "received", None)  # restored after the test, as the handler sets it
+    stop = threading.Event()
+    p = make(batches(None), sleepy_target(0.01), collecting_drafter([], 0.01), stop_event=stop)
+    previous = interrupts.install_signal_handlers(stop)
     try:
         timer = threading.Timer(0.3, os.kill, args=(os.getpid(), signal.SIGINT))
         timer.start()
@@ -375,9 +389,10 @@ def test_sigint_handler_reaches_request_stop():
         res = p.run()
         timer.join()
     finally:
-        signal.signal(signal.SIGINT, old)
-    assert res.stopped_by == "interrupted" and res.reason == f"signal {int(signal.SIGINT)}"
-    assert time.perf_counter() - t0 < 3.0
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert res.stopped_by == "interrupted" and res.reason == "stop event set"
+    assert interrupts.received == signal.SIGINT and time.perf_counter() - t0 < 3.0
 
 
 def test_stuck_stage_is_abandoned_after_join_timeout(caplog):

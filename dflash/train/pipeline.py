@@ -13,75 +13,42 @@ The module knows nothing about models. The caller injects three things:
 
 ``mode="sync"`` calls the same three stages one after the other in the caller's thread (the baseline).
 
-Lifetime is owned by ``Pipeline.run()``: one stop event, the first exception in any stage stops every stage
-and is re-raised as ``StageError`` naming the stage; every thread is joined (with a timeout) before ``run()``
-returns or raises. ``request_stop()`` is safe to call from a signal handler; ``run()`` then returns a
-``PipelineResult`` with ``stopped_by="interrupted"`` (it does not raise), so the caller can checkpoint and
-write ``status.json=interrupted`` on the normal return path.
+Lifetime is owned by ``Pipeline.run()``: one internal stop event every stage watches; the first exception in
+any stage stops every stage and is re-raised as ``StageError`` naming the stage; every thread is joined (with a
+timeout) before ``run()`` returns or raises.
 
-``BoundedChannel`` (put/get/close/depth) is the seam where, on many nodes, a stage's input or output becomes a
-cross-process transport; no stage touches another stage's objects.
+A run is stopped from outside one way: the caller's ``stop_event``, which ``dflash.interrupts``' SIGTERM/SIGINT
+handler sets (``run.py`` passes it unless the drafter trains on several ranks, which agree on a stop in their
+trainer). ``run()``'s thread checks it every ``POLL_S`` seconds (sync mode: before each batch, so the current
+drafter step finishes first), stops every stage and returns with ``stopped_by="interrupted"`` (it does not
+raise), so the caller can checkpoint and write ``status.json``.
+
+The channels are ``dflash/train/channel.py``'s, the stage statistics and the monitor ``dflash/train/monitor.py``'s
+(their names are re-exported here); no stage touches another stage's objects.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 import time
 import traceback
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
 from dflash.config import PIPELINE_MODES
+from dflash.train.channel import END, POLL_S, BoundedChannel, ChannelClosed, InOrder, item_nbytes
+from dflash.train.monitor import MONITOR_KEYS, Monitor, StageStats, StageWindow
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "END",
-    "BoundedChannel",
-    "ChannelClosed",
-    "MONITOR_KEYS",
-    "Pipeline",
-    "PipelineResult",
-    "StageError",
-    "StageWindow",
-    "StageStats",
-    "item_nbytes",
-]
-
-# How often blocked waits re-check the stop event; bounds the shutdown latency of a blocked stage.
-POLL_S = 0.1
-
-MONITOR_KEYS = (
-    "perf/target_queue_depth",
-    "perf/hs_queue_depth",
-    "perf/hs_queue_mb",
-    "perf/target_busy",
-    "perf/target_wait",
-    "perf/drafter_busy",
-    "perf/drafter_wait_s",
-    "perf/ktok_s",
-    "perf/interval_s",
-)
-
-
-class _EndOfStream:
-    """Type of the ``END`` sentinel returned by ``BoundedChannel.get``."""
-
-    def __repr__(self) -> str:
-        return "END"
-
-
-END = _EndOfStream()
-
-
-class ChannelClosed(RuntimeError):
-    """``put`` on a channel whose producer side was already closed (a programming error)."""
+__all__ = ["Pipeline", "PipelineResult", "StageError"]
+# the import path of the channel's and the monitor's names before they had modules of their own
+__all__ += ["END", "BoundedChannel", "ChannelClosed", "item_nbytes", "MONITOR_KEYS", "StageStats", "StageWindow"]
 
 
 class StageError(RuntimeError):
@@ -101,248 +68,12 @@ class StageError(RuntimeError):
         return (type(self), (self.stage, self.error, self.traceback_text))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Channels
-
-
-def item_nbytes(item: Any) -> int:
-    """Bytes held by the tensors of ``item``: ``numel() * element_size()`` summed over tensor fields.
-
-    Looks into dataclass fields, mappings, lists and tuples (recursively); other values count 0.
-    Views that share storage are counted once per view (an upper bound, which is what a cap wants).
-    """
-    if isinstance(item, torch.Tensor):
-        return item.numel() * item.element_size()
-    if dataclasses.is_dataclass(item) and not isinstance(item, type):
-        return sum(item_nbytes(getattr(item, f.name)) for f in dataclasses.fields(item))
-    if isinstance(item, Mapping):
-        return sum(item_nbytes(v) for v in item.values())
-    if isinstance(item, (list, tuple)):
-        return sum(item_nbytes(v) for v in item)
-    return 0
-
-
-class BoundedChannel:
-    """Thread-safe FIFO bounded by ``max_items`` and optionally ``max_bytes`` (see ``item_nbytes``).
-
-    - ``put(item, stop_event)`` blocks while the channel is full (backpressure). Returns ``True`` once queued,
-      ``False`` if the stop event is (or becomes) set; the producer should then exit. An item larger than
-      ``max_bytes`` is accepted when the channel is empty, so one oversized item cannot deadlock the pipeline.
-    - ``get(stop_event)`` blocks while empty. Returns the next item, or ``END`` when the channel is closed and
-      drained, or when the stop event is set (a consumer exits on ``END`` either way).
-    - ``close()``: the producer is done; consumers drain what is left, then get ``END``.
-    - ``depth()`` / ``nbytes()``: current items and bytes; ``peak_depth`` / ``peak_bytes``: their maxima.
-
-    Blocked calls re-check the stop event every ``poll_s`` seconds; ``wake()`` makes them re-check at once.
-    """
-
-    def __init__(
-        self,
-        max_items: int,
-        max_bytes: int | None = None,
-        *,
-        name: str = "channel",
-        sizeof: Callable[[Any], int] = item_nbytes,
-        poll_s: float = POLL_S,
-    ) -> None:
-        if max_items < 1:
-            raise ValueError(f"{name}: max_items={max_items!r} must be >= 1")
-        if max_bytes is not None and max_bytes < 1:
-            raise ValueError(f"{name}: max_bytes={max_bytes!r} must be >= 1 (or None for no byte cap)")
-        self.name = name
-        self.max_items = max_items
-        self.max_bytes = max_bytes
-        self._sizeof = sizeof
-        self._poll_s = poll_s
-        self._cond = threading.Condition()
-        self._items: deque[tuple[Any, int]] = deque()
-        self._bytes = 0
-        self._closed = False
-        self.peak_depth = 0
-        self.peak_bytes = 0
-
-    def _has_room(self, nbytes: int) -> bool:
-        if not self._items:
-            return True  # an empty channel takes anything, even an item over max_bytes
-        if len(self._items) >= self.max_items:
-            return False
-        return self.max_bytes is None or self._bytes + nbytes <= self.max_bytes
-
-    def put(self, item: Any, stop_event: threading.Event | None = None) -> bool:
-        """Queue ``item``; block while full. ``False`` (item dropped) if the stop event is set."""
-        nbytes = self._sizeof(item)
-        with self._cond:
-            while True:
-                if self._closed:
-                    raise ChannelClosed(f"put on closed channel {self.name!r}")
-                if stop_event is not None and stop_event.is_set():
-                    return False
-                if self._has_room(nbytes):
-                    break
-                self._cond.wait(self._poll_s)
-            self._items.append((item, nbytes))
-            self._bytes += nbytes
-            self.peak_depth = max(self.peak_depth, len(self._items))
-            self.peak_bytes = max(self.peak_bytes, self._bytes)
-            self._cond.notify_all()
-        return True
-
-    def get(self, stop_event: threading.Event | None = None) -> Any:
-        """Next item (FIFO); ``END`` once closed and drained or when the stop event is set."""
-        with self._cond:
-            while True:
-                if stop_event is not None and stop_event.is_set():
-                    return END
-                if self._items:
-                    break
-                if self._closed:
-                    return END
-                self._cond.wait(self._poll_s)
-            item, nbytes = self._items.popleft()
-            self._bytes -= nbytes
-            self._cond.notify_all()
-        return item
-
-    def close(self) -> None:
-        """Producer side is done. Idempotent."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def wake(self) -> None:
-        """Make blocked ``put``/``get`` calls re-check their stop event now instead of at the next poll."""
-        with self._cond:
-            self._cond.notify_all()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def depth(self) -> int:
-        with self._cond:
-            return len(self._items)
-
-    def nbytes(self) -> int:
-        with self._cond:
-            return self._bytes
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Stage statistics
-
-
-@dataclasses.dataclass(frozen=True)
-class StageWindow:
-    """One stage over one monitor interval. Fractions are per worker: busy_s / (interval_s * workers)."""
-
-    interval_s: float
-    busy_s: float
-    wait_s: float
-    items: int
-    tokens: int
-    busy_frac: float
-    wait_frac: float
-
-
-class StageStats:
-    """Busy time (inside the stage function), wait time (blocked on a channel), items and tokens of one stage.
-
-    Thread-safe; shared by all workers of a stage. Time of a call still in progress is credited up to the
-    window, so a drafter step longer than the monitor interval does not show as 0 then > 1.
-    """
-
-    def __init__(self, name: str, workers: int = 1, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.name = name
-        self.workers = workers
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._open: dict[tuple[int, str], float] = {}  # (thread id, "busy"|"wait") -> start of the open span
-        self._interval = {"busy": 0.0, "wait": 0.0}
-        self._total = {"busy": 0.0, "wait": 0.0}
-        self._items = self._tokens = 0
-        self._total_items = self._total_tokens = 0
-        self._interval_start = clock()
-
-    @contextmanager
-    def _span(self, kind: str) -> Iterator[None]:
-        key = (threading.get_ident(), kind)
-        with self._lock:
-            self._open[key] = self._clock()
-        try:
-            yield
-        finally:
-            with self._lock:
-                dt = self._clock() - self._open.pop(key)
-                self._interval[kind] += dt
-                self._total[kind] += dt
-
-    def busy(self) -> Any:
-        """Context manager around the stage function call."""
-        return self._span("busy")
-
-    def waiting(self) -> Any:
-        """Context manager around a blocking channel get/put."""
-        return self._span("wait")
-
-    def count(self, items: int = 1, tokens: int = 0) -> None:
-        with self._lock:
-            self._items += items
-            self._tokens += tokens
-            self._total_items += items
-            self._total_tokens += tokens
-
-    def take_window(self) -> StageWindow:
-        """Totals and fractions since the previous window (or construction); starts a new interval."""
-        with self._lock:
-            now = self._clock()
-            for key, start in self._open.items():  # credit spans still open, then restart them at `now`
-                self._interval[key[1]] += now - start
-                self._total[key[1]] += now - start
-                self._open[key] = now
-            interval = max(now - self._interval_start, 1e-9)
-            capacity = interval * self.workers
-            snap = StageWindow(
-                interval_s=interval,
-                busy_s=self._interval["busy"],
-                wait_s=self._interval["wait"],
-                items=self._items,
-                tokens=self._tokens,
-                busy_frac=self._interval["busy"] / capacity,
-                wait_frac=self._interval["wait"] / capacity,
-            )
-            self._interval = {"busy": 0.0, "wait": 0.0}
-            self._items = self._tokens = 0
-            self._interval_start = now
-            return snap
-
-    def totals(self) -> dict[str, float]:
-        """Cumulative counters plus stand-alone throughput: what the stage would sustain if it never waited
-        (``workers * items / busy_s``), the number a bench compares across stages."""
-        with self._lock:
-            busy, wait = self._total["busy"], self._total["wait"]
-            items, tokens = self._total_items, self._total_tokens
-        rate = self.workers / busy if busy > 0 else 0.0
-        return {
-            "busy_s": busy,
-            "wait_s": wait,
-            "items": items,
-            "tokens": tokens,
-            "workers": self.workers,
-            "items_per_s_standalone": items * rate,
-            "tokens_per_s_standalone": tokens * rate,
-        }
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Pipeline
-
-
 @dataclasses.dataclass
 class PipelineResult:
     """How a run ended without error.
 
     stopped_by: "finished" (drafter_fn returned False), "exhausted" (source ran out and everything was
-    consumed) or "interrupted" (request_stop was called).
+    consumed) or "interrupted" (the caller's stop_event was set).
     """
 
     stopped_by: str
@@ -371,6 +102,11 @@ def _num_tokens(batch: Any) -> int:
     return n
 
 
+def _check(ok: bool, arg: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{arg}={value!r} is invalid: {rule}")
+
+
 class Pipeline:
     """Runs source -> target_fn -> drafter_fn, async (threads + bounded channels) or sync (one thread).
 
@@ -392,8 +128,9 @@ class Pipeline:
             (stuck inside a stage function) are daemon threads, logged with a warning and abandoned.
         threads_per_stage: if set, each stage thread calls ``torch.set_num_threads(n)`` first (sync mode: the
             caller's thread). See the note below. ``None`` leaves torch's threading alone.
-        stop_event: an event owned by the caller (e.g. set by its SIGTERM handler); once set, the run stops as
-            if ``request_stop`` had been called. Polled, so no helper thread has to watch it.
+        stop_event: an event owned by the caller (``dflash.interrupts``' handler sets it on SIGTERM/SIGINT); once
+            set, the run stops with ``stopped_by="interrupted"``. Polled by ``run()``'s thread, so no helper thread
+            has to watch it; ``None``: only the stages end the run (a data-parallel run stops in its trainer).
 
     Note on ``threads_per_stage`` (measured with torch 2.13 CPU, OpenMP backend): ``torch.set_num_threads``
     sets the OpenMP team size of the *calling* thread and a process-wide default that threads pick up on their
@@ -419,20 +156,18 @@ class Pipeline:
         threads_per_stage: int | None = None,
         stop_event: threading.Event | None = None,
     ) -> None:
-        if mode not in PIPELINE_MODES:
-            raise ValueError(f"mode={mode!r} is invalid: must be one of async, sync")
-        if queue_size < 1:
-            raise ValueError(f"queue_size={queue_size!r} is invalid: must be >= 1")
-        if queue_bytes is not None and queue_bytes < 1:
-            raise ValueError(f"queue_bytes={queue_bytes!r} is invalid: must be >= 1 (or None)")
-        if target_workers < 1:
-            raise ValueError(f"target_workers={target_workers!r} is invalid: must be >= 1")
-        if monitor_interval_s <= 0:
-            raise ValueError(f"monitor_interval_s={monitor_interval_s!r} is invalid: must be > 0")
-        if join_timeout_s <= 0:
-            raise ValueError(f"join_timeout_s={join_timeout_s!r} is invalid: must be > 0")
-        if threads_per_stage is not None and threads_per_stage < 1:
-            raise ValueError(f"threads_per_stage={threads_per_stage!r} is invalid: must be >= 1 (or None)")
+        _check(mode in PIPELINE_MODES, "mode", mode, "must be one of async, sync")
+        _check(queue_size >= 1, "queue_size", queue_size, "must be >= 1")
+        _check(queue_bytes is None or queue_bytes >= 1, "queue_bytes", queue_bytes, "must be >= 1 (or None)")
+        _check(target_workers >= 1, "target_workers", target_workers, "must be >= 1")
+        _check(monitor_interval_s > 0, "monitor_interval_s", monitor_interval_s, "must be > 0")
+        _check(join_timeout_s > 0, "join_timeout_s", join_timeout_s, "must be > 0")
+        _check(
+            threads_per_stage is None or threads_per_stage >= 1,
+            "threads_per_stage",
+            threads_per_stage,
+            "must be >= 1 (or None)",
+        )
         self._source = source
         self._target_fn = target_fn
         self._drafter_fn = drafter_fn
@@ -445,26 +180,21 @@ class Pipeline:
 
         self.target_queue = BoundedChannel(queue_size, name="target_queue")
         self.hs_queue = BoundedChannel(queue_size, queue_bytes, name="hs_queue")
+        self._hs_in_order = InOrder(self.hs_queue)  # target workers hand on their results in source order
         self._stop = threading.Event()  # the one stop event every stage watches
-        self._lock = threading.Lock()  # guards _error / _outcome / _turn bookkeeping
-        self._tick_lock = threading.Lock()
-        self._interrupt: str | None = None  # set by request_stop without taking locks (signal-handler safe)
+        self._lock = threading.Lock()  # guards _error / _outcome / _workers_left
         self._stop_event = stop_event
         self._error: tuple[str, BaseException, str] | None = None
         self._outcome: tuple[str, str] | None = None
-        self._turn = threading.Condition(self._lock)  # ordered hand-off of target results
-        self._next_seq = 0
         self._workers_left = self.target_workers
         self._threads: list[threading.Thread] = []
         self.leftover_threads: list[str] = []
         self._started = False
         self._t0 = self._t_end = 0.0
-        self._new_stats()
+        self._new_monitor()
 
-    def _new_stats(self) -> None:
-        self.source_stats = StageStats("source")
-        self.target_stats = StageStats("target", workers=self.target_workers)
-        self.drafter_stats = StageStats("drafter")
+    def _new_monitor(self) -> None:
+        self._monitor = Monitor(self.target_queue, self.hs_queue, self.target_workers, self._on_tick)
 
     # -- control --------------------------------------------------------------------------------------------
 
@@ -472,15 +202,6 @@ class Pipeline:
     def stopping(self) -> threading.Event:
         """Set once the pipeline is stopping (for a source that blocks outside the pipeline's queues)."""
         return self._stop
-
-    def request_stop(self, reason: str = "interrupted") -> None:
-        """Ask the run to stop; ``run()`` then returns with ``stopped_by="interrupted"``.
-
-        Takes no lock and sets no event (a Python signal handler may run while the main thread holds one);
-        ``run()``'s loop turns it into the stop event within ~``POLL_S`` seconds. In sync mode the current
-        stage call finishes first.
-        """
-        self._interrupt = reason
 
     def _set_outcome(self, stopped_by: str, reason: str) -> None:
         with self._lock:
@@ -502,12 +223,11 @@ class Pipeline:
             )
         self._stop.set()
 
-    def _poll_interrupt(self) -> None:
-        if self._interrupt is None and self._stop_event is not None and self._stop_event.is_set():
-            self._interrupt = "stop event set"
-        if self._interrupt is not None and not self._stop.is_set():
-            log.warning("pipeline stop requested: %s", self._interrupt)
-            self._set_outcome("interrupted", self._interrupt)
+    def _check_stop_event(self) -> None:
+        """The caller's stop event, once set, stops the run as "interrupted"."""
+        if self._stop_event is not None and self._stop_event.is_set() and not self._stop.is_set():
+            log.warning("pipeline stop requested: stop event set")
+            self._set_outcome("interrupted", "stop event set")
 
     def _set_threads(self) -> None:
         if self._threads_per_stage is not None:
@@ -525,10 +245,10 @@ class Pipeline:
             raise RuntimeError("a Pipeline runs once; build a new one")
         self._started = True
         prev_threads = torch.get_num_threads()
-        self._new_stats()
+        self._new_monitor()
         self._t0 = time.perf_counter()
         try:
-            self._start_thread("monitor", self._monitor_main)
+            self._start_thread("monitor", lambda: self._monitor.run(self._stop, self._monitor_interval_s))
             if self.mode == "sync":
                 self._set_threads()
                 self._run_sync()
@@ -548,37 +268,44 @@ class Pipeline:
 
         if self._error is not None:
             stage, exc, tb = self._error
-            err = StageError(stage, exc, tb)
-            raise err from exc
+            raise StageError(stage, exc, tb) from exc
         stopped_by, reason = self._outcome or ("interrupted", "stopped")
-        totals = self.drafter_stats.totals()
-        log.info(
-            "pipeline stopped: %s (%s) after %d items in %.1f s",
-            stopped_by,
-            reason,
-            totals["items"],
-            self._t_end - self._t0,
-        )
-        return PipelineResult(
-            stopped_by, reason, int(totals["items"]), int(totals["tokens"]), self._t_end - self._t0, self.stats()
-        )
+        totals, wall_s = self._monitor.drafter.totals(), self._t_end - self._t0
+        items, tokens = int(totals["items"]), int(totals["tokens"])
+        log.info("pipeline stopped: %s (%s) after %d items in %.1f s", stopped_by, reason, items, wall_s)
+        return PipelineResult(stopped_by, reason, items, tokens, wall_s, self.stats())
 
-    def _start_thread(self, name: str, body: Callable[[], None]) -> None:
+    def _start_thread(
+        self, stage: str, body: Callable[[], None], after: Callable[[], None] | None = None, worker: str = ""
+    ) -> None:
+        """Thread ``dflash-<stage><worker>`` runs ``body``, then ``after`` on every way out; an exception in it
+        (SystemExit too: a thread must not vanish silently) fails ``stage``."""
+
+        def main() -> None:
+            try:
+                body()
+            except BaseException as exc:  # noqa: BLE001 - re-raised by run() as StageError
+                self._record_error(stage, exc)
+            finally:
+                if after is not None:
+                    after()
+
         # Daemon: a thread stuck inside a stage function must not keep the process alive after run() gives up.
-        t = threading.Thread(target=body, name=f"dflash-{name}", daemon=True)
+        t = threading.Thread(target=main, name=f"dflash-{stage}{worker}", daemon=True)
         self._threads.append(t)
         t.start()
 
     def _start_async(self) -> None:
-        self._start_thread("source", self._source_main)
+        self._start_thread("source", self._source_loop, after=self.target_queue.close)
         for i in range(self.target_workers):
-            self._start_thread(f"target-{i}", self._target_main)
-        self._start_thread("drafter", self._drafter_main)
+            self._start_thread("target", self._target_loop, after=self._target_worker_done, worker=f"-{i}")
+        # the drafter is the last stage: once it is gone, everything stops
+        self._start_thread("drafter", self._drafter_loop, after=self._stop.set)
 
     def _wait(self) -> None:
         # Short timed slices: the main thread stays responsive to Python signal handlers.
         while not self._stop.wait(POLL_S):
-            self._poll_interrupt()
+            self._check_stop_event()
 
     def _join_all(self) -> None:
         deadline = time.monotonic() + self._join_timeout_s
@@ -603,173 +330,117 @@ class Pipeline:
         if callable(close) and not self.leftover_threads:
             close()
 
-    # -- sync mode ----------------------------------------------------------------------------------------
+    # -- stage steps: one item through one stage, with its accounting (both modes run these) --------------
 
-    def _run_sync(self) -> None:
-        it = iter(self._source)
-        stage = "source"
-        try:
-            while True:
-                self._poll_interrupt()
-                if self._stop.is_set():
-                    return
-                stage = "source"
-                with self.source_stats.busy():
-                    try:
-                        batch = next(it)
-                    except StopIteration:
-                        self._set_outcome("exhausted", "source exhausted")
-                        return
-                tokens = _num_tokens(batch)
-                self.source_stats.count(1, tokens)
-                stage = "target"
-                with self.target_stats.busy():
-                    item = self._target_fn(batch)
-                self.target_stats.count(1, tokens)
-                stage = "drafter"
-                if not self._drafter_step(item, tokens):
-                    return
-        except Exception as exc:  # noqa: BLE001 - re-raised by run() as StageError
-            self._record_error(stage, exc)
+    def _source_step(self, it: Iterator[Any], seq: int) -> _Envelope | None:
+        """The source's next batch, or ``None`` once it is exhausted."""
+        with self._monitor.source.busy():
+            try:
+                batch = next(it)
+            except StopIteration:
+                return None
+        env = _Envelope(seq, _num_tokens(batch), batch)
+        self._monitor.source.count(1, env.num_tokens)
+        return env
 
-    def _drafter_step(self, item: Any, tokens: int) -> bool:
-        with self.drafter_stats.busy():
-            keep = self._drafter_fn(item)
-        self.drafter_stats.count(1, tokens)
+    def _target_step(self, env: _Envelope) -> _Envelope:
+        with self._monitor.target.busy():
+            out = self._target_fn(env.payload)
+        self._monitor.target.count(1, env.num_tokens)
+        return _Envelope(env.seq, env.num_tokens, out)
+
+    def _drafter_step(self, env: _Envelope) -> bool:
+        """One drafter step; ``False`` once drafter_fn said training is finished."""
+        with self._monitor.drafter.busy():
+            keep = self._drafter_fn(env.payload)
+        self._monitor.drafter.count(1, env.num_tokens)
         if not isinstance(keep, bool):
             raise TypeError(f"drafter_fn must return a bool (False = training finished), got {type(keep).__name__}")
         if not keep:
             self._set_outcome("finished", "drafter_fn returned False")
         return keep
 
-    # -- async stages -------------------------------------------------------------------------------------
+    # -- sync mode: the three steps one after the other in run()'s thread ----------------------------------
 
-    def _source_main(self) -> None:
-        self._set_threads()
+    def _run_sync(self) -> None:
+        it = iter(self._source)
+        stage = "source"
         try:
-            it = iter(self._source)
-            seq = 0
-            while not self._stop.is_set():
-                with self.source_stats.busy():
-                    try:
-                        batch = next(it)
-                    except StopIteration:
-                        return
-                tokens = _num_tokens(batch)
-                self.source_stats.count(1, tokens)
-                with self.source_stats.waiting():
-                    if not self.target_queue.put(_Envelope(seq, tokens, batch), self._stop):
-                        return
-                seq += 1
-        except BaseException as exc:  # noqa: BLE001 - SystemExit too: a thread must not vanish silently
-            self._record_error("source", exc)
-        finally:
-            self.target_queue.close()
-
-    def _target_main(self) -> None:
-        self._set_threads()
-        try:
-            while True:
-                with self.target_stats.waiting():
-                    env = self.target_queue.get(self._stop)
-                if env is END:
-                    return
-                with self.target_stats.busy():
-                    out = self._target_fn(env.payload)
-                self.target_stats.count(1, env.num_tokens)
-                with self.target_stats.waiting():
-                    if not self._put_in_order(_Envelope(env.seq, env.num_tokens, out)):
-                        return
-        except BaseException as exc:  # noqa: BLE001
-            self._record_error("target", exc)
-        finally:
-            with self._lock:
-                self._workers_left -= 1
-                last = self._workers_left == 0
-            if last:
-                self.hs_queue.close()
-
-    def _put_in_order(self, env: _Envelope) -> bool:
-        """Put into hs_queue only when every earlier seq is in (source order, whatever the worker count)."""
-        with self._turn:
-            while self._next_seq != env.seq:
+            for seq in itertools.count():
+                self._check_stop_event()
                 if self._stop.is_set():
-                    return False
-                self._turn.wait(POLL_S)
-        ok = self.hs_queue.put(env, self._stop)
-        with self._turn:
-            self._next_seq += 1
-            self._turn.notify_all()
-        return ok
+                    return
+                stage = "source"
+                env = self._source_step(it, seq)
+                if env is None:
+                    self._set_outcome("exhausted", "source exhausted")
+                    return
+                stage = "target"
+                env = self._target_step(env)
+                stage = "drafter"
+                if not self._drafter_step(env):
+                    return
+        except Exception as exc:  # noqa: BLE001 - re-raised by run() as StageError
+            self._record_error(stage, exc)
 
-    def _drafter_main(self) -> None:
+    # -- async mode: each step in a loop of its own thread, joined by the channels ------------------------
+
+    def _source_loop(self) -> None:
         self._set_threads()
-        try:
-            while True:
-                with self.drafter_stats.waiting():
-                    env = self.hs_queue.get(self._stop)
-                if env is END:
-                    if not self._stop.is_set():
-                        self._set_outcome("exhausted", "source exhausted")
+        it = iter(self._source)
+        for seq in itertools.count():
+            if self._stop.is_set():
+                return
+            env = self._source_step(it, seq)
+            if env is None:
+                return
+            with self._monitor.source.waiting():
+                if not self.target_queue.put(env, self._stop):
                     return
-                if not self._drafter_step(env.payload, env.num_tokens):
+
+    def _target_loop(self) -> None:
+        self._set_threads()
+        while True:
+            with self._monitor.target.waiting():
+                env = self.target_queue.get(self._stop)
+            if env is END:
+                return
+            env = self._target_step(env)
+            with self._monitor.target.waiting():
+                if not self._hs_in_order.put(env.seq, env, self._stop):
                     return
-        except BaseException as exc:  # noqa: BLE001
-            self._record_error("drafter", exc)
-        finally:
-            self._stop.set()  # the drafter is the last stage: once it is gone, everything stops
+
+    def _target_worker_done(self) -> None:
+        with self._lock:
+            self._workers_left -= 1
+            last = self._workers_left == 0
+        if last:
+            self.hs_queue.close()
+
+    def _drafter_loop(self) -> None:
+        self._set_threads()
+        while True:
+            with self._monitor.drafter.waiting():
+                env = self.hs_queue.get(self._stop)
+            if env is END:
+                if not self._stop.is_set():
+                    self._set_outcome("exhausted", "source exhausted")
+                return
+            if not self._drafter_step(env):
+                return
 
     # -- monitor ------------------------------------------------------------------------------------------
-
-    def _monitor_main(self) -> None:
-        try:
-            while not self._stop.wait(self._monitor_interval_s):
-                self._tick()
-        except BaseException as exc:  # noqa: BLE001
-            self._record_error("monitor", exc)
-
-    def _sample(self) -> dict[str, float]:
-        """One monitor sample (resets the interval counters): the flat ``perf/*`` dict given to ``on_tick``."""
-        tgt = self.target_stats.take_window()
-        dft = self.drafter_stats.take_window()
-        self.source_stats.take_window()
-        return {
-            "perf/target_queue_depth": float(self.target_queue.depth()),
-            "perf/hs_queue_depth": float(self.hs_queue.depth()),
-            "perf/hs_queue_mb": self.hs_queue.nbytes() / 2**20,
-            "perf/target_busy": tgt.busy_frac,
-            "perf/target_wait": tgt.wait_frac,
-            "perf/drafter_busy": dft.busy_frac,
-            "perf/drafter_wait_s": dft.wait_s,
-            "perf/ktok_s": dft.tokens / dft.interval_s / 1000.0,
-            "perf/interval_s": dft.interval_s,
-        }
-
-    def _tick(self) -> None:
-        with self._tick_lock:
-            s = self._sample()
-            if self._on_tick is not None:
-                self._on_tick(s)
 
     def _final_tick(self) -> None:
         """Last sample after all stages stopped, so even a run shorter than one interval logs a line."""
         if any(t.name == "dflash-monitor" for t in self._threads if t.is_alive()):
             return  # monitor stuck inside on_tick; do not call it concurrently
         try:
-            self._tick()
+            self._monitor.tick()
         except Exception as exc:  # noqa: BLE001
             self._record_error("monitor", exc)
 
     def stats(self) -> dict[str, Any]:
         """Cumulative per-stage busy/wait totals and stand-alone throughput, plus queue peaks (for the bench)."""
         end = self._t_end or time.perf_counter()
-        return {
-            "mode": self.mode,
-            "wall_s": end - self._t0 if self._t0 else 0.0,
-            "source": self.source_stats.totals(),
-            "target": self.target_stats.totals(),
-            "drafter": self.drafter_stats.totals(),
-            "target_queue_peak_depth": self.target_queue.peak_depth,
-            "hs_queue_peak_depth": self.hs_queue.peak_depth,
-            "hs_queue_peak_mb": self.hs_queue.peak_bytes / 2**20,
-        }
+        return {"mode": self.mode, "wall_s": end - self._t0 if self._t0 else 0.0, **self._monitor.totals()}

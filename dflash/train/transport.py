@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.distributed import Link
-from dflash.train.pipeline import END, BoundedChannel
+from dflash.train.channel import END, BoundedChannel
 from dflash.train.trainer import HiddenItem
 
 HEADER_LEN = 64
