@@ -86,7 +86,7 @@ def _transport_worker(rank: int, init: str, opts: dict, out: dict) -> None:
 
 
 def _queue_seconds(opts: dict) -> float:
-    from dflash.train.pipeline import END, BoundedChannel
+    from dflash.train.channel import END, BoundedChannel
 
     n = int(opts["items"])
     items = [make_item(opts, i) for i in range(min(n, 4))]
