@@ -38,7 +38,7 @@ from dflash.tracking import CallbackList, RunInfo, build_callbacks
 from dflash.tracking.report import write_report
 from dflash.train import faults
 from dflash.train.checkpointer import CheckpointManager
-from dflash.train.parallelize import full_state_dict, parallelize_drafter, plain_copy
+from dflash.train.parallelize import frozen_copy, full_state_dict, parallelize_drafter
 from dflash.train.pipeline import Pipeline
 from dflash.train.trainer import DrafterTrainer, TargetForward, TrainingDiverged, total_steps
 
@@ -75,7 +75,7 @@ class Job:
         if not self.world.distributed:
             return self.drafter
         state = full_state_dict(self.model, self.world)
-        return plain_copy(self.drafter, state, self.device) if self.world.is_main else None
+        return frozen_copy(self.drafter, state, self.device) if self.world.is_main else None
 
 
 def train(

@@ -24,7 +24,8 @@ from dflash.evaluation.decoding import (
     speculative_generate,
     verify_generate,
 )
-from dflash.evaluation.evaluator import evaluate, frozen_copy, untrained_like
+from dflash.evaluation.evaluator import evaluate, untrained_like
+from dflash.train.parallelize import frozen_copy
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = ["def foo(x):\n    return x + 1\n", "import os\nimport sys\n", "class A:\n    pass\n"]

@@ -32,7 +32,7 @@ from dflash.model.build import init_drafter
 from dflash.model.drafter import DFlashDraftModel
 from dflash.rundir import RunDir
 from dflash.terminal import display
-from dflash.train.parallelize import full_state_dict, plain_copy
+from dflash.train.parallelize import frozen_copy, full_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -41,25 +41,6 @@ def _tok_s(results: Sequence[GenerationResult]) -> float:
     tokens = sum(r.decode_tokens for r in results)
     seconds = sum(r.decode_time_s for r in results)
     return tokens / seconds if seconds > 0 else float("nan")
-
-
-def frozen_copy(drafter: DFlashDraftModel) -> DFlashDraftModel:
-    """A detached copy of the drafter in eval mode (same device and dtypes, no grads, no optimizer state), so an
-    evaluation sees one consistent set of weights while training continues. Take it between optimizer steps
-    (from the thread that steps), since copying while an update runs could mix old and new weights."""
-    with torch.device("meta"):  # no random init of weights about to be overwritten
-        clone = type(drafter)(copy.deepcopy(drafter.config))
-    with torch.no_grad():
-        state = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
-        clone.load_state_dict(state, assign=True, strict=True)
-        # non-persistent buffers (RoPE inv_freq) are not in the state dict
-        src_buffers = dict(drafter.named_buffers())
-        for name, _ in list(clone.named_buffers()):
-            owner_name, _, attr = name.rpartition(".")
-            owner = clone.get_submodule(owner_name) if owner_name else clone
-            owner._buffers[attr] = src_buffers[name].detach().clone()
-    clone.requires_grad_(False)
-    return clone.eval()
 
 
 def untrained_like(drafter: DFlashDraftModel, seed: int = 0) -> DFlashDraftModel:
@@ -288,9 +269,10 @@ class Evaluator:
         heldout = {"chat": chat, "target": cfg.model.target, "cache_dir": cfg.paths.cache_dir}
         choose = main and self.cfg.num_prompts
         self.prompts = choose_prompts(cfg.eval, cfg.data, tokenizer, self.seed, **heldout) if choose else []
-        # the drafter before training: the baseline that shows what training bought
+        # the drafter before training, the baseline that shows what training bought: initialised again from
+        # train.seed, as `python -m dflash.evaluate RUN_DIR` does, so the CLI replays it exactly
         want = main and self.cfg.baselines and self.prompts
-        self.untrained = on_device_of(copy.deepcopy(drafter).eval(), target.model) if want else None
+        self.untrained = on_device_of(untrained_like(drafter, cfg.train.seed), target.model) if want else None
         self.on_result = lambda metrics: None
         self.on_final = lambda step, metrics, details: None  # the run points it at callbacks.on_final_eval
 
@@ -311,7 +293,7 @@ class Evaluator:
         if not self.world.distributed:
             return frozen_copy(self.drafter)
         state = full_state_dict(self.model, self.world)  # every rank: a collective under fsdp
-        return plain_copy(self.drafter, state, module_device(self.target.model)) if self.world.is_main else None
+        return frozen_copy(self.drafter, state, module_device(self.target.model)) if self.world.is_main else None
 
     def run_eval(self, step: int, final: bool = False, drafter: DFlashDraftModel | None = None) -> dict[str, float]:
         """Evaluate the drafter's current weights (or `drafter`); the final eval adds the baselines and writes

@@ -49,11 +49,20 @@ def full_state_dict(model: nn.Module, world: World) -> dict[str, torch.Tensor] |
     return state if world.is_main else None
 
 
-def plain_copy(drafter: nn.Module, state: dict[str, torch.Tensor], device: torch.device) -> nn.Module:
-    """An unwrapped drafter of the same config holding `state`, on `device`, in eval mode, without grads."""
+def frozen_copy(
+    drafter: nn.Module, state: dict[str, torch.Tensor] | None = None, device: torch.device | None = None
+) -> nn.Module:
+    """An unwrapped drafter of the same config in eval mode, without grads or optimizer state, holding `state`
+    (the full weights gathered from the ranks) or else a detached clone of the drafter's own weights, on
+    `device` (default: the drafter's). An eval or the export then sees one consistent set of weights while
+    training goes on: take it between optimizer steps, from the thread that steps."""
     import copy
 
     unwrapped = unwrap(drafter)
+    if state is None:
+        with torch.no_grad():
+            state = {k: v.detach().clone() for k, v in unwrapped.state_dict().items()}
+    device = device if device is not None else next(unwrapped.parameters()).device
     with torch.device("meta"):  # not type(unwrapped): FSDP2 swaps the class of a sharded module
         clone = DFlashDraftModel(copy.deepcopy(unwrapped.config))
     clone.load_state_dict(state, assign=True, strict=True)
