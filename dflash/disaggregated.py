@@ -19,14 +19,9 @@ import torch
 from omegaconf import DictConfig
 
 from dflash.data.batches import rank_slice
-from dflash.data.corpus import load_tokenizer
-from dflash.data.fingerprint import data_fingerprint
-from dflash.data.training_data import run_training_data
 from dflash.distributed import World
-from dflash.model.build import resolve_target_layer_ids
-from dflash.model.target import TargetModel, load_target_config
-from dflash.model.tiny import ensure_target
 from dflash.rundir import RunDir
+from dflash.sources import target_and_data, target_files
 from dflash.train.trainer import TargetForward
 from dflash.train.transport import Receiver, Sender, item_from_wire, item_to_wire
 
@@ -50,15 +45,9 @@ def _rss_mb() -> float:
 def serve_target(cfg: DictConfig, world: World, run: RunDir) -> None:
     """A target rank's whole job: load the target and the data, then send features until its drafters stop.
     Its link totals go to `target_rank<r>.json` in the run directory."""
-    # rank 0 builds the embedded target first (transformers writes a model only on rank 0 under torch.distributed)
-    world.main_first(lambda: ensure_target(cfg.model))
-    layer_ids = resolve_target_layer_ids(cfg.model, load_target_config(cfg.model.target).num_hidden_layers)
-    tokenizer = load_tokenizer(cfg.model.target)
-    target = TargetModel.load(cfg.model.target, layer_ids, cfg.model.dtype, str(world.device))
-    fingerprint = data_fingerprint(cfg.data, cfg.model.target) if cfg.data.name == "jsonl" else None
-    data = world.main_first(  # rank 0 renders data=jsonl into the cache first; this rank then loads it
-        lambda: run_training_data(cfg, tokenizer, target.model, fingerprint)
-    )
+    # the same set-up as a drafter rank's (run.build_job), collective for collective
+    loaded = target_and_data(cfg, world, target_files(cfg, world), [str(world.device)])
+    target, data = loaded.target, loaded.data
     start = world.broadcast_to_all(None)  # rank 0's data position after its resume
     peers = world.drafters_of(world.rank)
     device = transport_device(world)

@@ -37,7 +37,10 @@ LAYERS = {
     "dflash.evaluation": 5,
     "dflash.resume": 6,
     "dflash.job_info": 6,
+    "dflash.sources": 7,
     "dflash.disaggregated": 7,
+    "dflash.job": 8,
+    "dflash.finish": 8,
     "dflash.run": 8,
     "dflash.lifecycle": 9,
     "dflash.tools": 10,  # the CLIs (compare, sweep, export, regenerate, bench): nothing imports them

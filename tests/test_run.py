@@ -292,13 +292,13 @@ def test_drafter_stuck_past_join_timeout_writes_no_final_checkpoint(
 def test_failing_export_still_ends_the_callbacks(tmp_path, cache_dir, tiny_target, monkeypatch, caplog):
     import logging
 
-    import dflash.run
+    import dflash.finish
     from dflash.lifecycle import JobInfo, main
 
     def broken_export(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(dflash.run, "export_drafter", broken_export)
+    monkeypatch.setattr(dflash.finish, "export_drafter", broken_export)
     cfg = _in_process(["train.max_steps=3"], cache_dir, monkeypatch)
     with caplog.at_level(logging.INFO, logger="dflash.tracking"), pytest.raises(OSError, match="disk full"):
         main(cfg, JobInfo(tmp_path / "run"))

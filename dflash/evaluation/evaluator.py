@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -258,13 +258,17 @@ class Evaluator:
         run: RunDir,
         world: World | None = None,
         chat: ChatData | None = None,
+        *,
+        model: nn.Module | None = None,
+        on_result: Callable[[dict], None] | None = None,
+        on_final: Callable[[int, dict, dict], None] | None = None,
     ):
         self.cfg = cfg.eval
         self.block_size = cfg.model.block_size
         self.seed = cfg.eval.seed
         self.world = world or World()
         self.target, self.drafter, self.tokenizer, self.run = target, drafter, tokenizer, run
-        self.model = drafter  # the run sets the DDP/FSDP-wrapped drafter here
+        self.model = model if model is not None else drafter  # the DDP/FSDP-wrapped drafter (weights gathered)
         main = self.world.is_main
         heldout = {"chat": chat, "target": cfg.model.target, "cache_dir": cfg.paths.cache_dir}
         choose = main and self.cfg.num_prompts
@@ -273,8 +277,8 @@ class Evaluator:
         # train.seed, as `python -m dflash.evaluate RUN_DIR` does, so the CLI replays it exactly
         want = main and self.cfg.baselines and self.prompts
         self.untrained = on_device_of(untrained_like(drafter, cfg.train.seed), target.model) if want else None
-        self.on_result = lambda metrics: None
-        self.on_final = lambda step, metrics, details: None  # the run points it at callbacks.on_final_eval
+        self.on_result = on_result or (lambda metrics: None)  # every eval's metrics (the run's callbacks.on_eval)
+        self.on_final = on_final or (lambda step, metrics, details: None)  # callbacks.on_final_eval
 
     def should_eval(self, step: int, done: bool) -> bool:
         """Periodic evals at every `eval.every_steps`; the last step gets the final eval instead. Decided from

@@ -35,18 +35,32 @@ class CheckpointManager:
     `tracking_state()` supplies what the tracking sinks need back on resume (the W&B run id).
     """
 
-    def __init__(self, cfg, run_dir: Path, drafter, target_path: str, world: World | None = None, model=None):
+    def __init__(
+        self,
+        cfg,
+        run_dir: Path,
+        drafter,
+        target_path: str,
+        world: World | None = None,
+        model=None,
+        *,
+        data_fingerprint: dict | None = None,
+        check_before_resume: Callable[[Path, dict], None] | None = None,
+        on_saved: Callable[[int, str], None] | None = None,
+        tracking_state: Callable[[], dict] | None = None,
+    ):
         self.cfg = cfg  # the `checkpoint` config group
         self.run_dir = Path(run_dir)
         self.drafter = drafter
         self.model = model if model is not None else drafter  # the DDP/FSDP-wrapped drafter
         self.world = world or World()
         self.target_path = target_path
-        self.on_saved: Callable[[int, str], None] = lambda step, path: None
-        self.tracking_state: Callable[[], dict] = dict
+        self.data_fingerprint = data_fingerprint  # recorded in every checkpoint (dflash.data.fingerprint)
+        # refuses a checkpoint of other data before it loads (resume.check_data_unchanged)
+        self.check_before_resume = check_before_resume or (lambda ckpt, meta: None)
+        self.on_saved = on_saved or (lambda step, path: None)  # the run's callbacks.on_checkpoint
+        self.tracking_state = tracking_state or dict  # what the sinks need back on resume (the W&B run id)
         self.resumed_meta: dict = {}  # meta.json of the checkpoint a resume loaded
-        self.data_fingerprint: dict | None = None  # recorded in every checkpoint (dflash.data.fingerprint)
-        self.check_before_resume: Callable[[Path, dict], None] = lambda ckpt, meta: None
 
     def should_save(self, step: int) -> bool:
         return bool(self.cfg.enabled and self.cfg.every_steps and step % self.cfg.every_steps == 0)

@@ -169,6 +169,7 @@ class DrafterTrainer:
         after_step: Callable[[DrafterTrainer], None] | None = None,
         world: World | None = None,
         model: torch.nn.Module | None = None,
+        stop_requested: Callable[[], bool] | None = None,
     ):
         self.cfg = cfg
         self.target = target
@@ -197,9 +198,9 @@ class DrafterTrainer:
         self.next_data = (0, 0)  # (pass, index) of the next batch to train on
         self._lock = threading.Lock()
         self._reset_window()
-        # data parallelism: each step all ranks agree on stopping (a signal to any of them), and exchange their
-        # latest local monitor sample so rank 0 can show the slowest and fastest rank
-        self.stop_requested: Callable[[], bool] = lambda: False
+        # data parallelism: each step all ranks agree on stopping (a signal to any of them: `stop_requested`),
+        # and exchange their latest local monitor sample (`set_local_sample`) so rank 0 can show the spread
+        self.stop_requested = stop_requested or (lambda: False)
         self.stopped_on_request = False
         self.local_perf: dict[str, float] = {}
         # the last steps' values, for summary metrics that do not depend on timing (checkpointed with counters)
@@ -386,6 +387,10 @@ class DrafterTrainer:
             "stop": bool(total[3].item() > 0),
             "counts": total[4:],
         }
+
+    def set_local_sample(self, sample: dict[str, float]) -> None:
+        """The monitor thread's latest sample of this rank, exchanged with the others at the next step."""
+        self.local_perf = sample
 
     def memory_sample(self) -> dict[str, float]:
         """perf/peak_rss_mb (host) and perf/target_mb: the target's tensors this rank holds (the whole target, or

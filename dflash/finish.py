@@ -1,0 +1,88 @@
+"""The end of a run that trained: the summary, the whole drafter gathered (a collective under fsdp), the export,
+the final eval, summary.json, the tau line and report.png (rank 0), and every rank leaving together."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+
+from dflash import interrupts
+from dflash.job import Job
+from dflash.model.export import export_drafter
+from dflash.rundir import RunDir, cpu_features, cpu_model
+from dflash.tracking.report import write_report
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    """How a run ended (`completed` or `interrupted`; failures raise) and its final metrics (summary.json)."""
+
+    status: str
+    summary: dict
+    reason: str | None = None
+
+
+def finish(cfg: DictConfig, job: Job, run: RunDir, status: str, summary: dict, t_start: float) -> TrainResult:
+    """`status` is how training ended; a stop during the final eval makes a completed run `interrupted`."""
+    reason = "stopped by signal" if status == "interrupted" else None
+    summary.update(job.trainer.summary_metrics())  # not the last monitor window: that depends on timing
+    final = job.gather_drafter()  # a collective under fsdp; the whole drafter on rank 0
+    if job.world.is_main:
+        export_drafter(final, run.drafter, target=cfg.model.target)
+        if status == "completed":
+            status, reason = _final_eval(job, final, summary)
+        summary.update(
+            {
+                "step": job.trainer.step,
+                "tokens": job.trainer.tokens,
+                "wall_time_s": round(time.time() - t_start, 3),
+                "status": status,
+            }
+        )
+        run.write_summary(summary)
+        if "eval/tau" in summary:  # a result is a figure of its seed and its machine
+            tau, seed = summary["eval/tau"], cfg.train.seed
+            log.info("final tau %.3f (train.seed=%d, %s)", tau, seed, _machine(job.device))
+        if cfg.logging.report:
+            _write_report(run)
+    job.world.barrier()  # every rank ends the job together (the next job of a multirun starts in step)
+    return TrainResult(status, summary, reason)
+
+
+def _final_eval(job: Job, drafter, summary: dict) -> tuple[str, str | None]:
+    """The final eval of a completed run; a stop request before or during it leaves the run `interrupted`,
+    with the eval listed as not done (the drafter is exported: `python -m dflash.evaluate RUN_DIR` runs it)."""
+    try:
+        interrupts.check("the final eval")
+        summary.update(job.evaluator.final(job.trainer.step, drafter))
+    except interrupts.Interrupted:
+        return "interrupted", (
+            "stopped by signal after training; not done: the final eval (python -m dflash.evaluate RUN_DIR runs it)"
+        )
+    return "completed", None
+
+
+def _machine(device: torch.device) -> str:
+    """What a result is a figure of: the GPU, or the CPU with its cores and vector kernels (run.json has more)."""
+    if device.type != "cpu":
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_model()}, {os.cpu_count() or 0} cores, torch CPU kernels {cpu_features()['torch_cpu_capability']}"
+
+
+def _write_report(run: RunDir) -> None:
+    """report.png beside the run's files; a failure to draw it costs a warning, not the run."""
+    try:
+        path = write_report([run.path], run.path / "report.png")
+    except Exception as e:  # noqa: BLE001 - the run's results are written already
+        log.warning(
+            "could not draw the run's report (%s: %s); python -m dflash.report RUN_DIR retries", type(e).__name__, e
+        )
+        return
+    log.info("report: %s (python -m dflash.report compares runs)", path)

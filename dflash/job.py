@@ -1,0 +1,131 @@
+"""Building one job: the target (or its heads), the data, the drafter, its trainer and the managers, each
+complete when constructed (its collaborators and the run's callbacks passed in), every cheap check before the
+heavy loads. Every rank builds the same job (a target rank of parallel.target_ranks builds none: it serves)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from omegaconf import DictConfig
+
+from dflash.config import ConfigError
+from dflash.data.corpus import jsonl_files
+from dflash.data.training_data import TrainingData
+from dflash.distributed import World
+from dflash.evaluation.evaluator import Evaluator
+from dflash.model.build import build_drafter_config, init_drafter, resolve_mask_token_id
+from dflash.model.target import DTYPES, TargetHeads, TargetModel, resolve_device
+from dflash.resume import check_data_unchanged
+from dflash.rundir import RunDir
+from dflash.sources import target_and_data, target_files
+from dflash.tracking import CallbackList
+from dflash.train import faults
+from dflash.train.checkpointer import CheckpointManager
+from dflash.train.parallelize import frozen_copy, full_state_dict, parallelize_drafter
+from dflash.train.trainer import DrafterTrainer, total_steps
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    """Everything a run trains with, built from the config by `build_job`. `drafter` is the module trained
+    (and exported), `model` the same drafter as wrapped for data parallelism (DDP/FSDP: what forward,
+    backward and checkpoints go through), `target` the frozen target LLM (TargetModel; `target.model` is the
+    Hugging Face module)."""
+
+    target: TargetModel | None  # None on a drafter rank of parallel.target_ranks other than rank 0 (heads only)
+    drafter: torch.nn.Module
+    device: torch.device
+    data: TrainingData
+    trainer: DrafterTrainer
+    checkpoints: CheckpointManager
+    evaluator: Evaluator
+    world: World = field(default_factory=World)
+    model: torch.nn.Module | None = None
+    replicas: list = field(default_factory=list)  # parallel.target_devices: a target per device (target first)
+
+    @property
+    def fingerprint(self) -> dict | None:
+        return self.checkpoints.data_fingerprint
+
+    def gather_drafter(self) -> torch.nn.Module | None:
+        """The whole trained drafter, unwrapped, on rank 0 (None elsewhere): the drafter itself in one
+        process; under ddp/fsdp its full weights gathered from the ranks (a collective)."""
+        if not self.world.distributed:
+            return self.drafter
+        state = full_state_dict(self.model, self.world)
+        return frozen_copy(self.drafter, state, self.device) if self.world.is_main else None
+
+
+def build_job(
+    cfg: DictConfig,
+    run: RunDir,
+    world: World | None = None,
+    callbacks: CallbackList | None = None,
+    stop: threading.Event | None = None,
+) -> Job:
+    """Target, tokenizer, data, drafter, trainer and the managers. `callbacks` receive evals and checkpoints;
+    `stop` is the stop request every rank agrees on at a step boundary under data parallelism."""
+    world, callbacks = world or World(), callbacks or CallbackList()
+    files = target_files(cfg, world)
+    mask_id = resolve_mask_token_id(cfg.model, files.tokenizer, files.config.vocab_size)
+    if cfg.data.name == "jsonl":  # a bad data file fails before the target loads
+        jsonl_files(cfg.data.path)
+    if world.distributed and cfg.train.batch_size % world.size:
+        raise ConfigError(
+            f"train.batch_size={cfg.train.batch_size} is the global batch: it must divide by the {world.size} ranks"
+        )
+    par = cfg.parallel
+    device = world.device if world.distributed else resolve_device(par.get("drafter_device") or cfg.model.device)
+    places = par.get("target_devices") or [str(world.device if world.distributed else resolve_device(cfg.model.device))]
+    # parallel.target_ranks: a drafter rank that runs no evals needs only the embedding and LM head (the target
+    # ranks compute its features); a 27B target must not share a GPU with the drafter's optimizer
+    lean = bool(world.target_ranks) and not world.is_main
+    loaded = target_and_data(cfg, world, files, [] if lean else places)
+    target, fingerprint = loaded.target, loaded.fingerprint
+
+    drafter_config = build_drafter_config(files.config, cfg.model, files.layer_ids, mask_id)
+    drafter = init_drafter(drafter_config, cfg.train.seed, device, DTYPES[cfg.model.dtype])
+    log.info(
+        "drafter: %d layers, %.2fM trainable params, block %d, mask id %d",
+        drafter_config.num_hidden_layers,
+        sum(p.numel() for p in drafter.parameters()) / 1e6,
+        cfg.model.block_size,
+        mask_id,
+    )
+    model = parallelize_drafter(drafter, world, cfg.parallel.mixed_precision)
+    evaluator = Evaluator(
+        cfg, target, drafter, files.tokenizer, run, world, loaded.data.chat,
+        model=model, on_result=callbacks.on_eval, on_final=callbacks.on_final_eval,
+    )  # fmt: skip
+    checkpoints = CheckpointManager(
+        cfg.checkpoint, run.path, drafter, cfg.model.target, world, model,
+        data_fingerprint=fingerprint,
+        check_before_resume=lambda ckpt, meta: check_data_unchanged(cfg, run, world, ckpt, meta, fingerprint),
+        on_saved=callbacks.on_checkpoint,
+        tracking_state=callbacks.state,  # the W&B run id, for a resume to continue the same run
+    )  # fmt: skip
+    first_step = [True]
+
+    def after_step(trainer: DrafterTrainer) -> None:
+        if first_step[0]:  # the first collectives may wait for slow preprocessing; later ones need less
+            world.set_timeout(cfg.parallel.timeout_s)
+            first_step[0] = False
+        checkpoints.maybe_save(trainer)
+        evaluator.maybe_eval(trainer)
+
+    if target is None:
+        heads = TargetHeads.load(cfg.model.target, cfg.model.dtype, device)  # what the trainer reads of the target
+    else:
+        heads = target if target.device == device else TargetHeads(target, device)
+    # under data parallelism a stop is agreed by all ranks at a step boundary (the trainer), never one alone
+    stop_requested = stop.is_set if stop is not None and world.distributed else None
+    trainer = DrafterTrainer(
+        cfg, heads, drafter, mask_id, total_steps(cfg.train), after_step, world, model, stop_requested
+    )
+    faults.install(trainer, cfg.debug, world.rank)  # +debug=faults drills; nothing without a debug key
+    return Job(target, drafter, device, loaded.data, trainer, checkpoints, evaluator, world, model, loaded.replicas)
