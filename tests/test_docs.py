@@ -1,16 +1,24 @@
-"""The docs against the code: the metric names a run logs are the ones docs/architecture.md lists."""
+"""The docs against the code: the metric names a run logs are the ones docs/architecture.md lists, every relative
+link of README.md and docs/*.md leads to a file (and heading) that exists, and the README stays a front page."""
 
 from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from conftest import REPO, launch
 
+README_MAX_LINES = 260
 ARCHITECTURE = REPO / "docs" / "architecture.md"
 # a backticked metric name: `group/name` (with <k> or <a|b> placeholders) or a top-level field of a record
 METRIC = re.compile(r"`((?:[a-z]+/[A-Za-z0-9_<>|]+)|step|tokens|time_s|wall_time_s|status)`")
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def doc_files() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "CHANGELOG.md"]
 
 
 def metrics_section(text: str) -> str:
@@ -68,3 +76,38 @@ def test_every_logged_metric_is_documented(tmp_path, cache_dir, tiny_target):
     patterns = documented_patterns(metrics_section(ARCHITECTURE.read_text()))
     missing = undocumented(keys, patterns)
     assert not missing, f"logged but not in docs/architecture.md's '## Metric names': {missing}"
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's heading anchors of a Markdown file (lower case, punctuation dropped, spaces to hyphens)."""
+    out = set()
+    for line in path.read_text().splitlines():
+        if m := re.match(r"#{1,6}\s+(.*)", line):
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            out.add(slug)
+    return out
+
+
+def test_relative_links_lead_to_files_and_headings():
+    broken = []
+    for doc in doc_files():
+        if not doc.exists():
+            continue
+        text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)  # links in code blocks are not links
+        for target in LINK.findall(text):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (doc.parent / path).resolve() if path else doc
+            if not dest.exists():
+                broken.append(f"{doc.relative_to(REPO)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                broken.append(f"{doc.relative_to(REPO)}: {target} (no such heading)")
+    assert not broken, broken
+
+
+def test_readme_is_a_front_page():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail to docs/"
+    for doc in ("data", "multi-gpu", "evaluation", "results", "training", "troubleshooting", "architecture"):
+        assert f"docs/{doc}.md" in "\n".join(lines), f"README.md does not link docs/{doc}.md"
