@@ -2,6 +2,7 @@
 rank runs it (`torchrun --nproc-per-node=N launch.py parallel=ddp ...`). See README.md."""
 
 import atexit
+import os
 import sys
 from pathlib import Path
 
@@ -36,6 +37,7 @@ def _route_resume(argv: list[str]) -> list[str]:
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     from dflash import interrupts
+    from dflash.disk import disk_error
     from dflash.lifecycle import RunInterrupted
     from dflash.lifecycle import main as run_main
 
@@ -44,6 +46,12 @@ def main(cfg: DictConfig) -> float | None:
     except RunInterrupted as e:  # a clean stop: one line, no traceback; the exit code says which signal
         print(f"interrupted: {e} (status.json says what was not done; resume=RUN_DIR continues)", file=sys.stderr)
         raise SystemExit(128 + (interrupts.received or 15)) from None
+    except Exception as e:
+        disk = disk_error(e)  # a full disk (or quota, read-only, I/O error): one line; HYDRA_FULL_ERROR=1 for more
+        if disk is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {disk} (status.json records it; free space, then resume=RUN_DIR continues)", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

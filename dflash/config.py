@@ -239,6 +239,9 @@ class CheckpointConfig:
     every_steps: int = 250  # 0 = only at the end and on SIGTERM/SIGINT
     keep_last: int = 2
     enabled: bool = True
+    # a periodic checkpoint that would not fit on the disk: stop (with one line, status failed) or skip it loudly
+    # and keep training (the summary counts the skipped ones); the final checkpoint always stops
+    on_disk_full: str = "stop"
 
 
 @dataclass
@@ -428,6 +431,7 @@ def validate(cfg: DictConfig | Config) -> None:
     ck = c.checkpoint
     _check(ck.every_steps >= 0, "checkpoint.every_steps", ck.every_steps, "must be >= 0")
     _check(ck.keep_last >= 1, "checkpoint.keep_last", ck.keep_last, "must be >= 1")
+    _one_of("checkpoint.on_disk_full", ck.on_disk_full, ("stop", "skip"))
 
 
 def _optional_at_least(key: str, value: Any, low: int) -> None:

@@ -12,9 +12,11 @@ import torch
 from omegaconf import DictConfig
 
 from dflash import interrupts
+from dflash.disk import check_free
 from dflash.job import Job
+from dflash.machine import cpu_features, cpu_model
 from dflash.model.export import export_drafter
-from dflash.rundir import RunDir, cpu_features, cpu_model
+from dflash.rundir import RunDir
 from dflash.tracking.report import write_report
 
 log = logging.getLogger(__name__)
@@ -34,7 +36,11 @@ def finish(cfg: DictConfig, job: Job, run: RunDir, status: str, summary: dict, t
     reason = "stopped by signal" if status == "interrupted" else None
     summary.update(job.trainer.summary_metrics())  # not the last monitor window: that depends on timing
     final = job.gather_drafter()  # a collective under fsdp; the whole drafter on rank 0
+    if job.checkpoints.skipped_disk_full:  # checkpoint.on_disk_full=skip: say it where results are read
+        summary["checkpoint/skipped_disk_full"] = job.checkpoints.skipped_disk_full
     if job.world.is_main:
+        weights = sum(p.numel() * p.element_size() for p in final.parameters())
+        check_free(run.drafter.parent, weights, "the export (drafter/)")  # the final checkpoint is on disk already
         export_drafter(final, run.drafter, target=cfg.model.target)
         if status == "completed":
             status, reason = _final_eval(job, final, summary)

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from dflash import determinism
 from dflash.data.batches import rank_batches
 from dflash.disaggregated import FeatureSource, serve_target
+from dflash.disk import disk_error
 from dflash.distributed import World
 from dflash.finish import TrainResult, finish
 from dflash.job import Job, build_job
@@ -131,7 +132,7 @@ def run_pipeline(cfg: DictConfig, job: Job, stop: threading.Event, on_tick) -> s
         # ranks that failed have left the lockstep: a collective save could hang, so only one process saves;
         # except on divergence, which every rank detects at the same step (from the all-reduced loss)
         in_step = not world.distributed or _caused_by(e, TrainingDiverged)
-        if in_step and not _drafter_still_running(pipeline):
+        if in_step and not _drafter_still_running(pipeline) and disk_error(e) is None:  # a full disk stays full
             job.checkpoints.save_final(job.trainer)  # the last good state: a diverged step changes no weight
         raise
     job.checkpoints.save_final(job.trainer)

@@ -39,10 +39,12 @@ from omegaconf import DictConfig, OmegaConf
 from dflash.jsonio import (
     is_number,
     iter_jsonl,
+    json_safe,
     read_json,
     write_json,
     write_text_atomic,
 )
+from dflash.machine import device_info
 from dflash.secrets import redact, scrub_json, scrub_text
 
 CONFIG_FILE = "config_resolved.yaml"
@@ -90,56 +92,6 @@ def package_versions() -> dict:
         except metadata.PackageNotFoundError:
             out[name] = None
     return out
-
-
-def cpu_model() -> str:
-    """The CPU's model name (another CPU kind rounds floats differently, which can move a trained result)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-# the CPU's vector extensions that change which kernels torch runs (and so float round-off): two machines with
-# the same model name can differ here (a hypervisor may hide avx512 or amx)
-_VECTOR_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16")
-
-
-def cpu_features() -> dict:
-    """The CPU's vector extensions (from /proc/cpuinfo) and the kernel set torch picked for it (`AVX2`,
-    `AVX512`, ...): what tells apart machines whose trained results differ by round-off."""
-    import torch
-
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    return {
-        "vector_extensions": [f for f in _VECTOR_FLAGS if f in flags],
-        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-    }
-
-
-def device_info() -> dict:
-    import torch
-
-    info = {
-        "cpu": cpu_model(),
-        **cpu_features(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.is_available(),
-    }
-    if torch.cuda.is_available():
-        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return info
 
 
 class RunDir:
@@ -247,7 +199,11 @@ def read_eval_json(path: str | Path) -> dict[str, Any] | None:
 
 
 class StatusFile:
-    """status.json: `running` at start, then exactly one of completed / failed / interrupted."""
+    """status.json: `running` at start, then exactly one of completed / failed / interrupted. The `running` file
+    is written RESERVE_BYTES long (JSON, then spaces), so that the end can be recorded on a full disk: when the
+    usual atomic write fails, the end is written over it in place, in blocks the file already has."""
+
+    RESERVE_BYTES = 16 << 10
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / STATUS_FILE
@@ -255,21 +211,60 @@ class StatusFile:
         self.start_time = now_iso()
 
     def running(self, **extra: Any) -> None:
-        write_json(self.path, {"status": "running", "start_time": self.start_time, "pid": os.getpid(), **extra})
+        record = {
+            "status": "running",
+            "start_time": self.start_time,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            **extra,
+        }
+        text = json.dumps(json_safe(record), indent=2) + "\n"
+        write_text_atomic(self.path, text + " " * max(0, self.RESERVE_BYTES - len(text.encode())))
 
     def finish(self, status: str, error: str | None = None, **extra: Any) -> None:
         extra = {k: scrub_text(v) if isinstance(v, str) else v for k, v in extra.items()}  # e.g. the traceback
-        write_json(
-            self.path,
-            {
-                "status": status,
-                "error": scrub_text(error) if error else None,
-                "start_time": self.start_time,
-                "end_time": now_iso(),
-                "wall_time_s": round(time.time() - self.t0, 3),
-                **extra,
-            },
-        )
+        record = {
+            "status": status,
+            "error": scrub_text(error) if error else None,
+            "start_time": self.start_time,
+            "end_time": now_iso(),
+            "wall_time_s": round(time.time() - self.t0, 3),
+            **extra,
+        }
+        try:
+            write_json(self.path, record)
+        except OSError as e:  # a full disk (or quota): the atomic write needs new blocks; the reserve does not
+            self._write_in_place(record, e)
+
+    def _write_in_place(self, record: dict, cause: OSError) -> None:
+        with open(self.path, "r+b") as f:
+            room = f.seek(0, os.SEEK_END)
+            record = {**record, "status_written_in_place": f"{type(cause).__name__}: {cause}"}
+            data = json.dumps(json_safe(record)).encode()
+            if len(data) > room:  # the traceback goes first, then the error is cut to fit
+                record.pop("traceback", None)
+                data = json.dumps(json_safe(record)).encode()
+            if len(data) > room:
+                record["error"] = str(record.get("error") or "")[: max(0, room - len(data) - 16)] + "..."
+                data = json.dumps(json_safe(record)).encode()[:room]
+            f.seek(0)
+            f.write(data + b" " * (room - len(data)))
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def process_died(status: dict) -> bool:
+    """A `running` status whose process is gone (judged only on the host that wrote it)."""
+    pid, host = status.get("pid"), status.get("host")
+    if status.get("status") != "running" or not isinstance(pid, int) or host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
 
 
 # ----------------------------------------------------------------------------- readers (compare, sweep)
@@ -282,7 +277,8 @@ class Run:
     path: Path  # absolute
     config: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)  # final value per metric name
-    status: str = "unknown"  # running | completed | failed | interrupted | unknown (no status.json)
+    # running | completed | failed | interrupted | died (running, but its process is gone) | unknown (none)
+    status: str = "unknown"
     error: str | None = None
     wall_time_s: float | None = None
     overrides: list[str] = field(default_factory=list)
@@ -360,7 +356,7 @@ def load_run(path: str | os.PathLike) -> Run:
     run.metrics = _final_metrics(p)
     status = read_json(p / STATUS_FILE)
     if isinstance(status, dict):
-        run.status = str(status.get("status") or "unknown")
+        run.status = "died" if process_died(status) else str(status.get("status") or "unknown")
         run.error = status.get("error")
         if is_number(status.get("wall_time_s")):
             run.wall_time_s = float(status["wall_time_s"])

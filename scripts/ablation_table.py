@@ -34,7 +34,7 @@ def table(sweep: Path, metrics: str) -> str:
 
 def block(sweep: Path, text: str, metrics: str) -> str:
     sys.path.insert(0, str(REPO))
-    from dflash.rundir import cpu_model
+    from dflash.machine import cpu_model
 
     shown = sweep.relative_to(REPO) if sweep.is_relative_to(REPO) else sweep
     when = datetime.date.today().isoformat()

@@ -29,6 +29,8 @@ LAYERS = {
     "dflash.terminal": 0,
     "dflash.interrupts": 0,
     "dflash.determinism": 0,
+    "dflash.machine": 0,
+    "dflash.disk": 0,
     "dflash.model": 1,
     "dflash.data": 2,
     "dflash.model.tiny": 2,  # builds the embedded target from the stdlib corpus: on data's floor

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.disk import remove_partial
 from dflash.model.drafter import DFlashDraftModel
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,19 @@ def export_drafter(
         import copy
 
         model = copy.deepcopy(drafter).to(dtype)
+    try:
+        _write(model, drafter, tmp, target)
+    except BaseException:
+        remove_partial(tmp)  # a full disk leaves no half export behind
+        raise
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def _write(model, drafter: DFlashDraftModel, tmp: Path, target: str | None) -> None:
+    """The export's files into `tmp`: weights, the self-contained dflash.py, a config z-lab, SGLang and vLLM read."""
     model.save_pretrained(tmp, safe_serialization=True)
     shutil.copyfile(DRAFTER_SOURCE, tmp / "dflash.py")
     cfg_path = tmp / "config.json"
@@ -52,10 +66,6 @@ def export_drafter(
     if target is not None:
         config["dflash_target"] = target  # ours: lets `python -m dflash.evaluate DRAFTER_DIR` find the target
     cfg_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
-    return out_dir
 
 
 def check_drafter_against(

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash.disk import remove_partial
 from dflash.jsonio import read_json
 from dflash.rundir import RunDir
 
@@ -56,19 +57,23 @@ def save_checkpoint(run_dir: Path, drafter, trainer_state: dict, extra: dict, ke
     final = root / f"step_{step}"
     tmp = root / f"step_{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
-    save_file(state, str(tmp / WEIGHTS))
-    torch.save({"trainer": trainer_state, "rng": {"torch": torch.get_rng_state()}}, tmp / STATE)
-    meta = {
-        "step": step,
-        "tokens": int(trainer_state["tokens"]),
-        "signature": model_signature(drafter),
-        "drafter_config": drafter.config.to_dict(),
-        **extra,
-        "complete": True,
-    }
-    commit(tmp, final, meta, keep_last)
+    try:
+        tmp.mkdir()
+        state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
+        save_file(state, str(tmp / WEIGHTS))
+        torch.save({"trainer": trainer_state, "rng": {"torch": torch.get_rng_state()}}, tmp / STATE)
+        meta = {
+            "step": step,
+            "tokens": int(trainer_state["tokens"]),
+            "signature": model_signature(drafter),
+            "drafter_config": drafter.config.to_dict(),
+            **extra,
+            "complete": True,
+        }
+        commit(tmp, final, meta, keep_last)
+    except BaseException:
+        remove_partial(tmp)  # a full disk or a crash mid-write leaves no half checkpoint behind
+        raise
     return final
 
 

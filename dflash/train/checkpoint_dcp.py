@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from dflash.disk import remove_partial
 from dflash.distributed import World
 from dflash.train.checkpoint import (
     DCP_FORMAT,
@@ -54,9 +55,13 @@ def save_sharded(final: Path, model, trainer, world: World, extra: dict, keep_la
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     world.barrier()
-    model_state, optim_state = get_state_dict(model, trainer.optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp), process_group=world.group)
-    torch.save({"torch": torch.get_rng_state()}, tmp / _rng_file(world.rank))
+    try:
+        model_state, optim_state = get_state_dict(model, trainer.optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp), process_group=world.group)
+        torch.save({"torch": torch.get_rng_state()}, tmp / _rng_file(world.rank))
+    except BaseException:
+        remove_partial(tmp)  # a full disk: no half checkpoint left (a rank that did not fail finds none either)
+        raise
     world.barrier()  # every rank's shards are written
     if world.is_main:
         drafter = unwrap(model)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from dflash.disk import DiskFull, check_free, dir_bytes, remove_partial
 from dflash.distributed import World
 from dflash.rundir import RunDir
 from dflash.train.checkpoint import (
@@ -61,13 +63,41 @@ class CheckpointManager:
         self.on_saved = on_saved or (lambda step, path: None)  # the run's callbacks.on_checkpoint
         self.tracking_state = tracking_state or dict  # what the sinks need back on resume (the W&B run id)
         self.resumed_meta: dict = {}  # meta.json of the checkpoint a resume loaded
+        self.skipped_disk_full = 0  # periodic checkpoints skipped for lack of disk (checkpoint.on_disk_full=skip)
+        if self.world.is_main:  # what an earlier process left half-written (a crash, a full disk) is not resumed
+            root = RunDir(self.run_dir).checkpoints
+            for partial in sorted(root.glob("*.tmp")) if root.is_dir() else []:
+                remove_partial(partial, "a checkpoint an earlier process left half-written")
 
     def should_save(self, step: int) -> bool:
         return bool(self.cfg.enabled and self.cfg.every_steps and step % self.cfg.every_steps == 0)
 
     def maybe_save(self, trainer) -> None:
-        if self.should_save(trainer.step):
+        if self.should_save(trainer.step) and self._room_for_checkpoint(trainer.step, periodic=True):
             self.save(trainer)
+
+    def _room_for_checkpoint(self, step: int, periodic: bool) -> bool:
+        """Whether a checkpoint (about the size of the newest one) fits on the disk; decided by rank 0 and
+        broadcast, so every rank saves or skips together. Without room: DiskFull on every rank, or for a periodic
+        checkpoint under checkpoint.on_disk_full=skip a loud warning and False."""
+        verdict = None
+        if self.world.is_main:
+            root = RunDir(self.run_dir).checkpoints
+            newest = latest_checkpoint(self.run_dir)
+            # the first one: the weights and AdamW's two moments, in fp32
+            needed = dir_bytes(newest) if newest else 3 * sum(p.numel() * 4 for p in self.drafter.parameters())
+            try:
+                check_free(root, needed, f"checkpoint step_{step}")
+            except DiskFull as e:
+                verdict = str(e)
+        verdict = self.world.broadcast_object(verdict)
+        if verdict is None:
+            return True
+        if periodic and self.cfg.on_disk_full == "skip":
+            self.skipped_disk_full += 1
+            log.warning("%s: checkpoint skipped, training goes on (checkpoint.on_disk_full=skip)", verdict)
+            return False
+        raise DiskFull(errno.ENOSPC, f"{verdict} (checkpoint.on_disk_full=skip skips periodic checkpoints instead)")
 
     def save(self, trainer) -> Path:
         # a resumed job without W&B keeps the resumed id for the next resume that has W&B
@@ -88,6 +118,7 @@ class CheckpointManager:
         last = self.world.broadcast_object(latest_checkpoint(self.run_dir) if self.world.is_main else None)
         if last is not None and last.name == f"step_{trainer.step}":
             return None
+        self._room_for_checkpoint(trainer.step, periodic=False)
         return self.save(trainer)
 
     def resume(self, trainer) -> int | None:

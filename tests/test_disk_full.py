@@ -1,0 +1,154 @@
+"""Running out of disk: a true status, one error line, no half-written leftovers, a check before the large
+writes, and a resume that ends as if nothing had happened. The real cases run on a small tmpfs (this machine's
+tests run as root); the rest patch the file system call that fails."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import launch
+from test_drafter import make_drafter
+from test_resume import COMMON, _Trainer, final_weights
+
+from dflash.disk import MARGIN_BYTES, DiskFull, check_free, dir_bytes, disk_error
+from dflash.rundir import StatusFile, load_run
+from dflash.train.checkpoint import latest_checkpoint, save_checkpoint
+from dflash.train.checkpointer import CheckpointManager
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size_bytes: int):
+    """A tmpfs of `size_bytes` mounted at `path` (needs root, as tests run here and in CI)."""
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(path: Path) -> None:
+    """Take every free byte of `path`'s file system."""
+    with open(path / "filler", "wb") as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\0" * (1 << 16))
+            f.flush()
+
+
+def test_status_is_recorded_on_a_full_disk(tmp_path):
+    """status.json is written `running` with a reserve; on a full file system the end still lands, in place."""
+    with tmpfs(tmp_path / "fs", 1 << 20) as fs:
+        status = StatusFile(fs)
+        status.running()
+        fill(fs)
+        with pytest.raises(OSError):  # the disk is really full
+            (fs / "probe").write_bytes(b"x" * 4096)
+        status.finish("failed", error="OSError: [Errno 28] No space left on device", traceback="x" * 50_000)
+        record = json.loads((fs / "status.json").read_text())
+        assert record["status"] == "failed" and "No space left" in record["error"]
+        assert "status_written_in_place" in record and "traceback" not in record  # it did not fit the reserve
+
+
+def test_a_run_whose_process_is_gone_reads_as_died(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    StatusFile(tmp_path).running(pid=gone.pid)
+    assert load_run(tmp_path).status == "died"
+    StatusFile(tmp_path).running()  # this process: alive
+    assert load_run(tmp_path).status == "running"
+
+
+def test_disk_errors_are_found_behind_the_stage_error_and_pickle():
+    from dflash.train.pipeline import StageError
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    try:
+        try:
+            raise full
+        except OSError as e:
+            raise StageError("drafter", e, "tb") from e
+    except StageError as wrapped:
+        assert disk_error(wrapped) is full
+    assert disk_error(RuntimeError("no")) is None
+    back = pickle.loads(pickle.dumps(DiskFull(errno.ENOSPC, "not enough disk")))
+    assert isinstance(back, DiskFull) and back.errno == errno.ENOSPC
+
+
+def test_a_failed_checkpoint_write_leaves_no_partial_directory(tmp_path, monkeypatch):
+    from dflash.train import checkpoint
+
+    def no_room(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_file", no_room)
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint(tmp_path, make_drafter(), _Trainer(3).state_dict(), {}, keep_last=2)
+    assert not list((tmp_path / "checkpoints").iterdir())
+
+
+def test_periodic_checkpoints_are_skipped_or_stop_and_the_final_one_stops(tmp_path, monkeypatch):
+    """checkpoint.on_disk_full=skip: a periodic save without room is skipped and counted; the final save (and
+    any save under `stop`) raises DiskFull naming the path, the bytes needed and free; leftovers of an earlier
+    process are removed when the manager starts."""
+    from dflash import disk
+
+    drafter = make_drafter()
+    save_checkpoint(tmp_path, drafter, _Trainer(3).state_dict(), {}, keep_last=2)
+    (tmp_path / "checkpoints" / "step_6.tmp").mkdir()  # half-written by a process that died
+    monkeypatch.setattr(disk, "free_bytes", lambda path: MARGIN_BYTES)  # room for nothing
+    cfg = type("C", (), {"enabled": True, "every_steps": 3, "keep_last": 2, "on_disk_full": "skip"})()
+    manager = CheckpointManager(cfg, tmp_path, drafter, "target")
+    assert not (tmp_path / "checkpoints" / "step_6.tmp").exists()
+    manager.maybe_save(_Trainer(6))
+    assert manager.skipped_disk_full == 1 and latest_checkpoint(tmp_path).name == "step_3"
+    with pytest.raises(DiskFull, match=r"checkpoint step_7 in .*checkpoints: needs about .* MiB free"):
+        manager.save_final(_Trainer(7))
+    cfg.on_disk_full = "stop"
+    with pytest.raises(DiskFull, match="on_disk_full=skip skips periodic checkpoints instead"):
+        manager.maybe_save(_Trainer(9))
+    with pytest.raises(DiskFull, match="the export"):
+        check_free(tmp_path, 1, "the export")
+
+
+@pytest.mark.slow
+def test_a_run_on_a_disk_that_fills_up_ends_truthfully_and_resumes(tmp_path, cache_dir, tiny_target):
+    """The issue's run, on a tmpfs that holds the first checkpoint and not the second: exit 1 with one `error:`
+    line and no traceback, status.json `failed` naming the disk, no `*.tmp` left; with room again, the resume
+    ends bitwise equal to an uninterrupted run."""
+    ref = tmp_path / "ref"
+    common = COMMON  # checkpoints every 4 steps of 12
+    launch([*common, f"hydra.run.dir={ref}"], cache_dir, check=True)
+    first = dir_bytes(ref / "checkpoints" / "step_4")
+    # the run's other files (as tmpfs pages), but not the export, written at the end
+    others = sum(
+        -(-f.stat().st_size // 4096) * 4096
+        for f in ref.rglob("*")
+        if f.is_file() and not {"checkpoints", "drafter"} & set(f.parts)
+    )
+    size = others + MARGIN_BYTES + first * 3 // 2
+    with tmpfs(tmp_path / "fs", size) as fs:
+        run_dir = fs / "run"
+        proc = launch([*common, f"hydra.run.dir={run_dir}"], cache_dir, env={"HYDRA_FULL_ERROR": "0"})
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and "not enough disk for checkpoint step_8" in errors[0], proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr
+        status = json.loads((run_dir / "status.json").read_text())
+        assert status["status"] == "failed" and "not enough disk" in status["error"]
+        assert not list(run_dir.rglob("*.tmp")) and latest_checkpoint(run_dir).name == "step_4"
+
+        subprocess.run(["mount", "-o", f"remount,size={64 << 20}", str(fs)], check=True)  # space freed
+        launch([f"resume={run_dir}"], cache_dir, check=True)
+        assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
+        a, b = final_weights(ref), final_weights(run_dir)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
