@@ -3,7 +3,7 @@
 `conf/config.yaml` starts its defaults list with `base_config` (the `Config` dataclass below), so every
 YAML file of every group is merged into a typed node: a misspelt key or a wrong type fails at composition,
 before `launch.py` runs a line of ours. Value checks that types cannot express (ranges, cross-field rules)
-live in `validate()`, which `lifecycle.main` calls before loading any model; the rules that need the target's
+live in `validation.validate()`, which `lifecycle.main` calls before loading any model; the rules that need the target's
 config (layer count, mask token id) are checked where it is read (model/build.py), before weights load.
 
 One source of every default: a dataclass field's default is the value the default run composes
@@ -12,13 +12,11 @@ One source of every default: a dataclass field's default is the value the defaul
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING
 
 
 class ConfigError(ValueError):
@@ -222,6 +220,18 @@ class ParallelConfig:
 
 
 @dataclass
+class FeaturesConfig:
+    """Where the target's features come from: `online` (the target runs in the pipeline) or `store` (read from a
+    feature store built once by `python -m dflash.features build`; dflash/train/feature_store.py)."""
+
+    name: str = "online"  # online | store
+    path: str | None = None  # the store (null = under paths.cache_dir, named by what it holds)
+    dtype: str = "float32"  # float32 | bfloat16: the stored features (float32 reads back bitwise)
+    shard_batches: int = 16  # global batches per shard file
+    build_missing: bool = False  # store: build what is missing first (the first job of a sweep; others wait)
+
+
+@dataclass
 class DebugConfig:
     """Fault injection for tests and drills (`+debug=faults debug.fail_at_step=3`); all off by default."""
 
@@ -262,6 +272,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     experiment: str | None = None
     resume: str | None = None  # a run directory to continue
@@ -273,167 +284,6 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="base_config", node=Config)
 
 
-def _check(ok: bool, key: str, value: Any, rule: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value!r} is invalid: {rule}")
-
-
-def _one_of(key: str, value: Any, allowed: tuple) -> None:
-    _check(value in allowed, key, value, f"must be one of {', '.join(map(str, allowed))}")
-
-
 def default_decay_gamma(block_size: int) -> float:
     """Paper values for B = 16 / 10 / 8; linear in B elsewhere (gamma ~ B/2 - 1 fits all three)."""
     return DEFAULT_DECAY_GAMMA.get(block_size, max(1.0, block_size / 2.0 - 1.0))
-
-
-def validate(cfg: DictConfig | Config) -> None:
-    """Range and cross-field checks that need no model. Raises ConfigError naming the key."""
-    c = cfg
-    m = c.model
-    _check(m.block_size >= 2, "model.block_size", m.block_size, "must be >= 2 (an anchor plus one drafted token)")
-    _check(m.num_draft_layers >= 1, "model.num_draft_layers", m.num_draft_layers, "must be >= 1")
-    _one_of("model.dtype", m.dtype, DTYPE_NAMES)
-    _check(
-        m.device == "auto" or m.device == "cpu" or m.device.startswith("cuda"),
-        "model.device",
-        m.device,
-        "must be auto, cpu, cuda or cuda:N",
-    )
-    if m.target_layer_ids is not None:
-        ids = list(m.target_layer_ids)
-        _check(len(ids) >= 1, "model.target_layer_ids", ids, "must list at least one layer (or be null)")
-        _check(len(set(ids)) == len(ids), "model.target_layer_ids", ids, "must not repeat a layer")
-        _check(all(i >= 0 for i in ids), "model.target_layer_ids", ids, "layer ids are >= 0")
-    if m.mask_token_id is not None:
-        _check(m.mask_token_id >= 0, "model.mask_token_id", m.mask_token_id, "must be >= 0")
-    _one_of("model.build.kind", m.build.kind, BUILD_KINDS)
-    _one_of("model.attention", m.attention, ATTENTION_NAMES)
-    _check(
-        not (m.attention == "flex" and m.device == "cpu"),
-        "model.attention",
-        m.attention,
-        "flex needs a CUDA device (FlexAttention has no CPU backward); use sdpa or auto with model.device=cpu",
-    )
-    _optional_at_least("model.num_target_features", m.num_target_features, 1)
-    for key in ("draft_num_attention_heads", "draft_num_key_value_heads", "draft_head_dim", "draft_intermediate_size"):
-        _optional_at_least(f"model.{key}", getattr(m, key), 1)
-
-    lo = c.loss
-    _one_of("loss.name", lo.name, LOSS_NAMES)
-    if lo.decay_gamma is not None:
-        _check(lo.decay_gamma > 0, "loss.decay_gamma", lo.decay_gamma, "must be > 0 (or null for the paper default)")
-    _check(
-        lo.kl_temperature > 0 and math.isfinite(lo.kl_temperature),
-        "loss.kl_temperature",
-        lo.kl_temperature,
-        "must be > 0",
-    )
-    _check(0.0 <= lo.kl_weight <= 1.0, "loss.kl_weight", lo.kl_weight, "must be in [0, 1]")
-    _check(0.0 <= lo.streak_alpha <= 1.0, "loss.streak_alpha", lo.streak_alpha, "must be in [0, 1] (0 = decay only)")
-    _check(lo.chunk_size >= 1, "loss.chunk_size", lo.chunk_size, "must be >= 1")
-
-    s = c.schedule
-    _one_of("schedule.name", s.name, SCHEDULE_NAMES)
-    _check(s.lr > 0, "schedule.lr", s.lr, "must be > 0")
-    _check(0.0 <= s.warmup_ratio < 1.0, "schedule.warmup_ratio", s.warmup_ratio, "must be in [0, 1)")
-    _check(0.0 <= s.min_lr_ratio <= 1.0, "schedule.min_lr_ratio", s.min_lr_ratio, "must be in [0, 1]")
-    _check(0.0 <= s.decay_ratio <= 1.0, "schedule.decay_ratio", s.decay_ratio, "must be in [0, 1]")
-    _check(s.noise_start >= 0, "schedule.noise_start", s.noise_start, "must be >= 0")
-    _check(s.noise_end >= 0, "schedule.noise_end", s.noise_end, "must be >= 0")
-    _check(
-        s.noise_end <= s.noise_start,
-        "schedule.noise_end",
-        s.noise_end,
-        f"must be <= schedule.noise_start ({s.noise_start}): the noise anneals down",
-    )
-
-    lg = c.logging
-    _one_of("logging.wandb.mode", lg.wandb.mode, WANDB_MODES)
-    _check(lg.log_every_s > 0, "logging.log_every_s", lg.log_every_s, "must be > 0")
-    _check(lg.summary_window_steps >= 1, "logging.summary_window_steps", lg.summary_window_steps, "must be >= 1")
-
-    d = c.data
-    _one_of("data.name", d.name, DATA_NAMES)
-    _one_of("data.on_bad_record", d.on_bad_record, BAD_RECORD_POLICIES)
-    if d.name == "jsonl":
-        _check(bool(d.path), "data.path", d.path, "data=jsonl needs data.path (a .jsonl file or a directory of them)")
-    _check(0.0 < d.holdout_fraction < 1.0, "data.holdout_fraction", d.holdout_fraction, "must be in (0, 1)")
-    _optional_at_least("data.max_files", d.max_files, 1)
-    _optional_at_least("data.num_proc", d.num_proc, 1)
-    _optional_at_least("data.pad_to_multiple_of", d.pad_to_multiple_of, 1)
-    r = d.regenerate
-    if r.enabled:
-        _check(
-            d.name == "stdlib",
-            "data.regenerate.enabled",
-            r.enabled,
-            "regeneration is built in for data=stdlib; regenerate chat data offline and use data=jsonl",
-        )
-        for key in ("num_prompts", "prompt_len", "max_new_tokens", "batch_size"):
-            _check(getattr(r, key) >= 1, f"data.regenerate.{key}", getattr(r, key), "must be >= 1")
-        _check(r.temperature >= 0, "data.regenerate.temperature", r.temperature, "must be >= 0 (0 = greedy)")
-
-    p = c.pipeline
-    _one_of("pipeline.mode", p.mode, PIPELINE_MODES)
-    _check(p.queue_size >= 1, "pipeline.queue_size", p.queue_size, "must be >= 1")
-    _check(p.target_workers >= 1, "pipeline.target_workers", p.target_workers, "must be >= 1")
-    _check(p.monitor_interval_s > 0, "pipeline.monitor_interval_s", p.monitor_interval_s, "must be > 0")
-    _check(p.join_timeout_s > 0, "pipeline.join_timeout_s", p.join_timeout_s, "must be > 0")
-    _optional_at_least("pipeline.queue_bytes", p.queue_bytes, 1)
-    _optional_at_least("pipeline.threads_per_stage", p.threads_per_stage, 1)
-
-    par = c.parallel
-    _one_of("parallel.name", par.name, PARALLEL_NAMES)
-    _one_of("parallel.backend", par.backend, BACKENDS)
-    _check(par.init_timeout_s > 0, "parallel.init_timeout_s", par.init_timeout_s, "must be > 0")
-    _check(par.timeout_s > 0, "parallel.timeout_s", par.timeout_s, "must be > 0")
-    _check(par.target_ranks >= 0, "parallel.target_ranks", par.target_ranks, "must be >= 0")
-    _check(par.items_in_flight >= 1, "parallel.items_in_flight", par.items_in_flight, "must be >= 1")
-    if par.target_ranks:
-        _check(par.name == "ddp", "parallel.target_ranks", par.target_ranks, "needs parallel=ddp (fsdp: not yet)")
-    placed = par.target_devices is not None or par.drafter_device is not None
-    if placed:
-        where = [par.target_devices, par.drafter_device]
-        _check(par.name == "single", "parallel.target_devices/drafter_device", where, "need parallel=single")
-        _check(par.target_devices is None or len(par.target_devices) >= 1, "parallel.target_devices", [], "empty")
-
-    e = c.eval
-    _check(e.every_steps >= 0, "eval.every_steps", e.every_steps, "must be >= 0 (0 = final eval only)")
-    _check(e.num_prompts >= 0, "eval.num_prompts", e.num_prompts, "must be >= 0")
-    _check(e.max_new_tokens >= 1, "eval.max_new_tokens", e.max_new_tokens, "must be >= 1")
-    _check(e.temperature >= 0, "eval.temperature", e.temperature, "must be >= 0 (0 = greedy)")
-    _check(e.prompt_len >= 1, "eval.prompt_len", e.prompt_len, "must be >= 1")
-    _check(e.prompt_lookup_ngram >= 1, "eval.prompt_lookup_ngram", e.prompt_lookup_ngram, "must be >= 1")
-
-    t = c.train
-    _check(t.max_steps >= 1, "train.max_steps", t.max_steps, "must be >= 1")
-    if t.max_tokens is not None:
-        _check(t.max_tokens >= 1, "train.max_tokens", t.max_tokens, "must be >= 1 (or null)")
-    _check(t.batch_size >= 1, "train.batch_size", t.batch_size, "must be >= 1")
-    _check(
-        t.seq_len >= 2 * m.block_size,
-        "train.seq_len",
-        t.seq_len,
-        f"must be >= 2 * model.block_size ({2 * m.block_size})",
-    )
-    _check(t.num_anchors >= 1, "train.num_anchors", t.num_anchors, "must be >= 1")
-    _check(t.grad_clip > 0, "train.grad_clip", t.grad_clip, "must be > 0")
-    _check(
-        len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas),
-        "train.betas",
-        list(t.betas),
-        "must be two numbers in [0, 1)",
-    )
-    _check(t.max_bad_steps >= 1, "train.max_bad_steps", t.max_bad_steps, "must be >= 1")
-    _check(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0")
-
-    ck = c.checkpoint
-    _check(ck.every_steps >= 0, "checkpoint.every_steps", ck.every_steps, "must be >= 0")
-    _check(ck.keep_last >= 1, "checkpoint.keep_last", ck.keep_last, "must be >= 1")
-    _one_of("checkpoint.on_disk_full", ck.on_disk_full, ("stop", "skip"))
-
-
-def _optional_at_least(key: str, value: Any, low: int) -> None:
-    if value is not None:
-        _check(value >= low, key, value, f"must be >= {low} (or null)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
@@ -16,6 +17,7 @@ from dflash.data.corpus import jsonl_files
 from dflash.data.training_data import TrainingData
 from dflash.distributed import World
 from dflash.evaluation.evaluator import Evaluator
+from dflash.feature_build import build_store
 from dflash.model.build import build_drafter_config, init_drafter, resolve_mask_token_id
 from dflash.model.target import DTYPES, TargetHeads, TargetModel, resolve_device
 from dflash.resume import check_data_unchanged
@@ -24,6 +26,7 @@ from dflash.sources import target_and_data, target_files
 from dflash.tracking import CallbackList
 from dflash.train import faults
 from dflash.train.checkpointer import CheckpointManager
+from dflash.train.feature_store import check_manifest, manifest_for, store_path
 from dflash.train.parallelize import frozen_copy, full_state_dict, parallelize_drafter
 from dflash.train.trainer import DrafterTrainer, total_steps
 
@@ -47,6 +50,7 @@ class Job:
     world: World = field(default_factory=World)
     model: torch.nn.Module | None = None
     replicas: list = field(default_factory=list)  # parallel.target_devices: a target per device (target first)
+    store: Path | None = None  # features=store: the feature store read instead of running the target
 
     @property
     def fingerprint(self) -> dict | None:
@@ -84,9 +88,20 @@ def build_job(
     places = par.get("target_devices") or [str(world.device if world.distributed else resolve_device(cfg.model.device))]
     # parallel.target_ranks: a drafter rank that runs no evals needs only the embedding and LM head (the target
     # ranks compute its features); a 27B target must not share a GPU with the drafter's optimizer
-    lean = bool(world.target_ranks) and not world.is_main
+    # features=store: the target runs nowhere but in the evals (rank 0)
+    store_mode = cfg.features.name == "store"
+    lean = (bool(world.target_ranks) and not world.is_main) or (
+        store_mode and not (world.is_main and cfg.eval.num_prompts)
+    )
     loaded = target_and_data(cfg, world, files, [] if lean else places)
     target, fingerprint = loaded.target, loaded.fingerprint
+    store = None
+    if store_mode:
+        if cfg.features.build_missing:  # rank 0 builds (or waits for another job building it), then every rank
+            world.main_first(lambda: build_store(cfg))
+        manifest = manifest_for(cfg, files.layer_ids, fingerprint)
+        store = store_path(cfg, manifest)
+        check_manifest(store, manifest)  # before training: a store of other settings is refused, naming the keys
 
     drafter_config = build_drafter_config(files.config, cfg.model, files.layer_ids, mask_id)
     drafter = init_drafter(drafter_config, cfg.train.seed, device, DTYPES[cfg.model.dtype])
@@ -128,4 +143,6 @@ def build_job(
         cfg, heads, drafter, mask_id, total_steps(cfg.train), after_step, world, model, stop_requested
     )
     faults.install(trainer, cfg.debug, world.rank)  # +debug=faults drills; nothing without a debug key
-    return Job(target, drafter, device, loaded.data, trainer, checkpoints, evaluator, world, model, loaded.replicas)
+    return Job(
+        target, drafter, device, loaded.data, trainer, checkpoints, evaluator, world, model, loaded.replicas, store
+    )

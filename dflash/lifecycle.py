@@ -15,13 +15,13 @@ import torch
 from omegaconf import DictConfig
 
 from dflash import interrupts
-from dflash.config import validate
 from dflash.distributed import RankFailed, init_world, launch_identity
 from dflash.job_info import JobInfo, hydra_job_info
 from dflash.resume import resume_config
 from dflash.run import train
 from dflash.rundir import RunDir, StatusFile
 from dflash.terminal import display, install_logging, uninstall_logging
+from dflash.validation import validate
 
 log = logging.getLogger(__name__)
 

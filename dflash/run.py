@@ -26,6 +26,7 @@ from dflash.job_info import JobInfo
 from dflash.rundir import RunDir
 from dflash.secrets import redact
 from dflash.tracking import CallbackList, RunInfo, build_callbacks
+from dflash.train.feature_store import StoreReader
 from dflash.train.pipeline import Pipeline
 from dflash.train.trainer import TargetForward, TrainingDiverged, total_steps
 
@@ -94,6 +95,9 @@ def run_pipeline(cfg: DictConfig, job: Job, stop: threading.Event, on_tick) -> s
     try:
         if features is not None:  # items come from a target rank; the pipeline's target stage passes them on
             source, target_fn, on_tick = features, _pass_through, _with_sample(on_tick, features.sample)
+        elif job.store is not None:  # features=store: items read from the store, passed on as they are
+            source = StoreReader(job.store, job.trainer.next_data, job.device, world.rank, world.size)
+            target_fn = _pass_through
         else:
             source = rank_batches(job.data.batches.iterate(*job.trainer.next_data), world.rank, world.size)
             target_fn = TargetForward(job.replicas or job.target, job.device, cfg.debug.fail_target_at_batch)

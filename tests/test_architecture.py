@@ -16,12 +16,14 @@ ENTRY_POINTS = {
     "dflash.bench",
     "dflash.report",
     "dflash.regenerate",
+    "dflash.features",
 }
 
 # layer of each module prefix (lower number = lower floor); a module may import its own floor or below
 LAYERS = {
     # the base: no dflash import above it
     "dflash.config": 0,
+    "dflash.validation": 0,
     "dflash.jsonio": 0,
     "dflash.secrets": 0,
     "dflash.rundir": 0,
@@ -40,6 +42,7 @@ LAYERS = {
     "dflash.resume": 6,
     "dflash.job_info": 6,
     "dflash.sources": 7,
+    "dflash.feature_build": 7,
     "dflash.disaggregated": 7,
     "dflash.job": 8,
     "dflash.finish": 8,

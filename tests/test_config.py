@@ -11,8 +11,9 @@ from conftest import REPO, compose_config, launch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from dflash.config import ConfigError, register_configs, validate
+from dflash.config import ConfigError, register_configs
 from dflash.model.build import resolve_target_layer_ids
+from dflash.validation import validate
 
 CONF = REPO / "conf"
 register_configs()

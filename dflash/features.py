@@ -1,0 +1,6 @@
+"""`python -m dflash.features build [--dry-run] [OVERRIDES]`: build a feature store (code: `dflash.tools.features`)."""
+
+from dflash.tools.features import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

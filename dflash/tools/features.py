@@ -1,0 +1,55 @@
+"""`python -m dflash.features build [--dry-run] [OVERRIDES ...]`: the feature store of the run these Hydra
+overrides describe (the same keys as launch.py: model, data, train.seq_len, train.batch_size, train.max_steps,
+train.seed, features.dtype, features.path). `--dry-run` prints the bytes it will take and whether they fit."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dflash.config import register_configs
+from dflash.disk import free_bytes, mib
+from dflash.distributed import World
+from dflash.feature_build import build_store, planned_bytes
+from dflash.sources import target_files
+from dflash.terminal import install_logging
+from dflash.validation import validate
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dflash.features", description=__doc__)
+    ap.add_argument("command", choices=["build"])
+    ap.add_argument("--dry-run", action="store_true", help="print the store's size for this config and stop")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for launch.py")
+    args = ap.parse_intermixed_args(argv)
+    cfg = compose(args.overrides)
+    validate(cfg)
+    install_logging()
+    if args.dry_run:
+        files = target_files(cfg, World())
+        batches, needed = planned_bytes(cfg, files)
+        where = Path(cfg.features.path or Path(cfg.paths.cache_dir) / "features").expanduser()
+        free = free_bytes(where)
+        print(
+            f"feature store: {batches} global batches x {cfg.train.batch_size} x {cfg.train.seq_len} tokens, "
+            f"{len(files.layer_ids)} layers + the last hidden state of width {files.config.hidden_size} in "
+            f"{cfg.features.dtype}: {mib(needed)} ({needed / 2**40:.3f} TiB); {mib(free)} free at {where}"
+        )
+        if needed > free:
+            print("error: the store would not fit", file=sys.stderr)
+            return 1
+        return 0
+    print(build_store(cfg))
+    return 0

@@ -1,0 +1,228 @@
+"""A feature store: the target's features of a run's global batches, computed once (`python -m dflash.features
+build`) and read by every job of a sweep instead of running the target (`features=store`).
+
+    <store>/manifest.json   what the features are of: target files, layer ids, dtype, seq_len, batch size, seed,
+                            the data fingerprint, the feature definition's version, the number of batches
+    <store>/index.json      the committed shards, in order: file, sha256, bytes, the (pass, index) of each batch
+    <store>/shard_00000.safetensors ...   `shard_batches` global batches each: input_ids, loss_mask, lengths,
+                            target_hidden, last_hidden (safetensors: memory-mapped on read, one header)
+
+A shard is written to `*.tmp` and renamed, then its sha256 goes into index.json (rewritten atomically), so a
+killed build leaves only whole shards listed; it resumes after the last one (a torn `*.tmp` is removed and redone).
+Every shard's sha256 is checked when the reader first opens it. Why safetensors and not Arrow: the items are a few
+large dense tensors per batch, read whole; safetensors maps them without a copy and needs no schema.
+
+The store is keyed by global batch, in the order the run's data yields them (the seeded sequence `train.seed`
+fixes), so a job reads exactly the items the target would have made; under torchrun each rank takes its rows of
+each stored global batch, as a colocated rank would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from dflash.data.batches import Batch, rank_slice
+from dflash.disk import remove_partial
+from dflash.jsonio import read_json, write_json
+from dflash.train.trainer import HiddenItem
+
+FEATURE_VERSION = 1  # bump when what a feature is changes (layers' outputs, the final norm, the dtype cast)
+MANIFEST, INDEX = "manifest.json", "index.json"
+STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class StoreMismatch(ValueError):
+    """A store made for other settings than the run's; the message names each key with both values."""
+
+
+class StoreCorrupt(ValueError):
+    """A shard that is missing, cut short or changed since it was written."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(1 << 20), b""):
+            h.update(piece)
+    return h.hexdigest()
+
+
+def check_manifest(store: Path, expected: dict) -> dict:
+    """The store's manifest, or StoreMismatch naming every key whose value differs from the run's."""
+    found = read_json(Path(store) / MANIFEST, default=None)
+    if not isinstance(found, dict):
+        raise StoreMismatch(
+            f"feature store {store}: no manifest.json (not built yet: python -m dflash.features build with the "
+            "run's overrides, or features.build_missing=true)"
+        )
+    diffs = [
+        f"{key}: store {found.get(key)!r} vs run {value!r}"
+        for key, value in expected.items()
+        if key != "num_batches" and found.get(key) != value
+    ]
+    if diffs:
+        raise StoreMismatch(f"feature store {store} was built for other settings: " + "; ".join(diffs))
+    return found
+
+
+class StoreWriter:
+    """Appends global batches' features to a store; `open` resumes a build after its last committed shard."""
+
+    def __init__(self, store: Path, manifest: dict, shard_batches: int):
+        self.store, self.manifest, self.shard_batches = Path(store), manifest, shard_batches
+        self.store.mkdir(parents=True, exist_ok=True)
+        if (self.store / MANIFEST).exists():
+            check_manifest(self.store, manifest)
+        else:
+            write_json(self.store / MANIFEST, manifest)
+        for partial in self.store.glob("*.tmp"):  # a shard a killed build was writing
+            remove_partial(partial, "a shard a killed build left half-written")
+        self.index = read_json(self.store / INDEX, default=None) or {"shards": [], "complete": False}
+        self._pending: list[tuple[tuple[int, int], dict[str, torch.Tensor]]] = []
+
+    @property
+    def done(self) -> int:
+        """Global batches committed so far."""
+        return sum(len(s["batches"]) for s in self.index["shards"])
+
+    def add(self, batch: Batch, target_hidden: torch.Tensor, last_hidden: torch.Tensor) -> None:
+        dtype = STORE_DTYPES[self.manifest["features.dtype"]]
+        lengths = batch.lengths if batch.lengths is not None else torch.full((batch.input_ids.shape[0],), -1)
+        tensors = {
+            "input_ids": batch.input_ids,
+            "loss_mask": batch.loss_mask,
+            "lengths": lengths.to(torch.int64),
+            "target_hidden": target_hidden.to(dtype),
+            "last_hidden": last_hidden.to(dtype),
+        }
+        self._pending.append(((batch.data_pass, batch.index), {k: v.detach().cpu() for k, v in tensors.items()}))
+        if len(self._pending) >= self.shard_batches:
+            self.flush()
+
+    def flush(self) -> None:
+        """Commit the pending batches as one shard: write, rename, then list it (with its sha256)."""
+        if not self._pending:
+            return
+        from safetensors.torch import save_file
+
+        name = f"shard_{len(self.index['shards']):05d}.safetensors"
+        tmp = self.store / (name + ".tmp")
+        tensors = {f"{i}/{k}": v.contiguous() for i, (_, item) in enumerate(self._pending) for k, v in item.items()}
+        try:
+            save_file(tensors, str(tmp))
+            tmp.replace(self.store / name)
+        except BaseException:
+            remove_partial(tmp)
+            raise
+        path = self.store / name
+        entry = {"file": name, "sha256": _sha256(path), "bytes": path.stat().st_size}
+        entry["batches"] = [list(key) for key, _ in self._pending]
+        self.index["shards"].append(entry)
+        write_json(self.store / INDEX, self.index)
+        self._pending = []
+
+    def close(self) -> None:
+        self.flush()
+        self.index["complete"] = True
+        write_json(self.store / INDEX, self.index)
+
+
+class StoreReader:
+    """The stored HiddenItems from the batch at `start` = (pass, index) on, this rank's rows of each, on
+    `device`. Each shard's sha256 is verified when it is first opened."""
+
+    def __init__(self, store: Path, start: tuple[int, int], device: torch.device, rank: int = 0, world_size: int = 1):
+        self.store, self.device, self.rank, self.world_size = Path(store), device, rank, world_size
+        index = read_json(self.store / INDEX, default=None)
+        if not isinstance(index, dict) or not index.get("complete"):
+            raise StoreCorrupt(f"feature store {store}: its build is not complete (python -m dflash.features build)")
+        self.shards = index["shards"]
+        keys = [tuple(k) for s in self.shards for k in s["batches"]]
+        if tuple(start) not in keys:
+            raise StoreMismatch(
+                f"feature store {store}: holds {len(keys)} batches, not the run's batch {tuple(start)} "
+                "(train.max_steps beyond the store's build? build it for this run's settings)"
+            )
+        self.position = keys.index(tuple(start))
+
+    def _open(self, shard: dict):
+        from safetensors import safe_open
+
+        path = self.store / shard["file"]
+        if not path.is_file() or path.stat().st_size != shard["bytes"] or _sha256(path) != shard["sha256"]:
+            raise StoreCorrupt(f"feature store {self.store}: {shard['file']} is missing or does not match its sha256")
+        return safe_open(str(path), framework="pt")
+
+    def __iter__(self) -> Iterator[HiddenItem]:
+        seen = 0
+        for shard in self.shards:
+            if seen + len(shard["batches"]) <= self.position:
+                seen += len(shard["batches"])
+                continue
+            with self._open(shard) as f:
+                for i, (data_pass, index) in enumerate(shard["batches"]):
+                    if seen + i >= self.position:
+                        yield self._item(f, i, data_pass, index)
+            seen += len(shard["batches"])
+
+    def _item(self, f, i: int, data_pass: int, index: int) -> HiddenItem:
+        t = {k: f.get_tensor(f"{i}/{k}") for k in ("input_ids", "loss_mask", "lengths", "target_hidden", "last_hidden")}
+        lengths = None if int(t["lengths"][0]) < 0 else t["lengths"]
+        ids = t["input_ids"]
+        tokens = ids.numel() if lengths is None else int(lengths.sum())
+        whole = Batch(ids, t["loss_mask"], tokens, data_pass, index, lengths=lengths)
+        part = rank_slice(whole, self.rank, self.world_size) if self.world_size > 1 else whole
+        rows = slice(part.row_start, part.row_start + part.input_ids.shape[0])
+        return HiddenItem(
+            input_ids=part.input_ids.to(self.device),
+            loss_mask=part.loss_mask.to(self.device),
+            target_hidden=t["target_hidden"][rows].to(self.device),
+            last_hidden=t["last_hidden"][rows].to(self.device),
+            num_tokens=part.num_tokens,
+            data_pass=data_pass,
+            index=index,
+            global_loss_mask=None if part.global_loss_mask is None else part.global_loss_mask.to(self.device),
+            row_start=part.row_start,
+            global_tokens=part.global_tokens,
+        )
+
+
+def store_bytes_per_token(hidden_size: int, num_layers: int, dtype: str) -> int:
+    """Bytes a token takes in a store: the layers' features and the last hidden state, plus id and mask."""
+    return (num_layers + 1) * hidden_size * torch.tensor([], dtype=STORE_DTYPES[dtype]).element_size() + 9
+
+
+def manifest_for(cfg, layer_ids: list[int], data_fingerprint: dict | None) -> dict:
+    """What a run's features are of: the store it may read must say the same (num_batches aside)."""
+    from omegaconf import OmegaConf
+
+    from dflash.data.fingerprint import file_hash
+
+    target = Path(cfg.model.target).expanduser()
+    files = ("config.json", "model.safetensors", "model.safetensors.index.json")
+    return {
+        "feature_version": FEATURE_VERSION,
+        "model.target": str(cfg.model.target),
+        "target_files": {f: file_hash(target / f) for f in files if (target / f).is_file()} or {"hub": str(target)},
+        "model.target_layer_ids": list(layer_ids),
+        "features.dtype": cfg.features.dtype,
+        "train.seq_len": cfg.train.seq_len,
+        "train.batch_size": cfg.train.batch_size,
+        "train.seed": cfg.train.seed,
+        "data": OmegaConf.to_container(cfg.data, resolve=True),
+        "data_fingerprint": data_fingerprint,
+    }
+
+
+def store_path(cfg, manifest: dict) -> Path:
+    """features.path, or a directory under paths.cache_dir named by the manifest: the jobs of a sweep that
+    differ only in what the store does not record (losses, schedules, evals) share one store."""
+    if cfg.features.path:
+        return Path(cfg.features.path).expanduser()
+    key = hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return Path(cfg.paths.cache_dir).expanduser() / "features" / key

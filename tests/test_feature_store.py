@@ -1,0 +1,95 @@
+"""features=store: the target's features built once (python -m dflash.features build), read instead of running
+the target; bitwise the online run's weights in float32, a store of other settings refused naming the key, a
+changed byte found on read, a killed build resumed to the same store."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, launch
+from test_distributed import max_diff, status, train_records, weights
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = ["experiment=smoke", "pipeline=sync", "train.batch_size=4", "eval.num_prompts=0", "train.max_steps=16"]
+
+
+def build(args: list[str], cache_dir: Path, **kw) -> subprocess.CompletedProcess | subprocess.Popen:
+    env = {**os.environ, "DFLASH_CACHE_DIR": str(cache_dir), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "dflash.features", "build", *args]
+    if kw.get("background"):
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    return proc
+
+
+def shard_hashes(store: Path) -> list[str]:
+    return [s["sha256"] for s in json.loads((store / "index.json").read_text())["shards"]]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, cache_dir, tiny_target) -> Path:
+    path = tmp_path_factory.mktemp("store") / "fp32"
+    build([*SETTINGS, "features.shard_batches=4", f"features.path={path}"], cache_dir)
+    return path
+
+
+def test_a_run_from_the_store_trains_like_the_online_run(store, tmp_path, cache_dir):
+    online, stored = tmp_path / "online", tmp_path / "stored"
+    launch([*SETTINGS, f"hydra.run.dir={online}"], cache_dir, check=True)
+    launch([*SETTINGS, "features=store", f"features.path={store}", f"hydra.run.dir={stored}"], cache_dir, check=True)
+    assert max_diff(weights(online), weights(stored)) == 0.0
+    summaries = [json.loads((d / "summary.json").read_text()) for d in (online, stored)]
+    assert summaries[0]["train/loss"] == summaries[1]["train/loss"] and summaries[0]["tokens"] == summaries[1]["tokens"]
+    one, two = train_records(online)[-1], train_records(stored)[-1]
+    assert two["perf/target_mb"] < 0.5 * one["perf/target_mb"]  # the embedding and LM head, not the whole target
+
+
+def test_a_store_of_other_settings_is_refused_naming_the_key(store, tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    args = [*SETTINGS, "features=store", f"features.path={store}", "model.target_layer_ids=[1,3]"]
+    proc = launch([*args, f"hydra.run.dir={run_dir}"], cache_dir)
+    assert proc.returncode != 0
+    assert "model.target_layer_ids: store [1, 2] vs run [1, 3]" in status(run_dir)["error"], status(run_dir)
+    assert not (run_dir / "metrics.jsonl").exists() or not train_records(run_dir)  # refused before training
+
+
+def test_a_changed_byte_in_a_shard_is_found_on_read(store, tmp_path, cache_dir):
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(store), str(copy)], check=True)
+    shard = copy / "shard_00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    run_dir = tmp_path / "run"
+    proc = launch([*SETTINGS, "features=store", f"features.path={copy}", f"hydra.run.dir={run_dir}"], cache_dir)
+    assert proc.returncode != 0
+    assert "shard_00001.safetensors is missing or does not match its sha256" in status(run_dir)["error"]
+
+
+def test_a_killed_build_resumes_to_the_same_store(tmp_path, cache_dir, tiny_target):
+    """SIGKILL once the first shards are committed; the rerun keeps them, redoes the rest, and the store equals one
+    built in one go (the same sha256 for every shard)."""
+    longer = [*SETTINGS[:-1], "train.max_steps=400", "features.shard_batches=4"]
+    killed, clean = tmp_path / "killed", tmp_path / "clean"
+    proc = build([*longer, f"features.path={killed}"], cache_dir, background=True)
+    deadline = time.monotonic() + 120
+    while not (killed / "index.json").exists() or not shard_hashes(killed):
+        assert time.monotonic() < deadline and proc.poll() is None, "the build never committed a shard"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert not json.loads((killed / "index.json").read_text())["complete"]
+    assert len(shard_hashes(killed)) < 100
+    build([*longer, f"features.path={killed}"], cache_dir)
+    build([*longer, f"features.path={clean}"], cache_dir)
+    assert len(shard_hashes(killed)) == 100 and shard_hashes(killed) == shard_hashes(clean)
+    assert not list(killed.glob("*.tmp"))
