@@ -295,3 +295,11 @@ def test_regenerate_the_real_file_never_fails_the_job(real_head, tmp_path):
     outcome = regenerate_file(real_head, other, _Backend(fail_batch=True), chunk_size=64)
     expected = N_REAL - sum(_REAL_REASONS.values())
     assert outcome.completed == 0 and outcome.failed_by_reason["request_failed"] == expected
+
+
+def test_a_directory_holds_jsonl_and_json_files(tmp_path):
+    from dflash.data.corpus import jsonl_files
+
+    for name in ("b.json", "a.jsonl", "c.txt"):
+        (tmp_path / name).write_text("[]")
+    assert [p.name for p in jsonl_files(str(tmp_path))] == ["a.jsonl", "b.json"]
