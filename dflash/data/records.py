@@ -42,8 +42,12 @@ class _Reader:
     """Text of a file in chunks with the byte offset of the buffer's first character."""
 
     def __init__(self, fh):
-        self.fh, self.decoder = fh, codecs.getincrementaldecoder("utf-8-sig")(errors="replace")
+        self.fh, self.decoder = fh, codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.buf, self.base, self.eof = "", 0, False
+        if fh.read(3) == codecs.BOM_UTF8:  # skipped, but its bytes count in the offsets
+            self.base = 3
+        else:
+            fh.seek(0)
 
     def more(self) -> bool:
         if self.eof:
