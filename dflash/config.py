@@ -148,13 +148,14 @@ class RegenerateConfig:
 @dataclass
 class DataConfig:
     name: str = MISSING  # stdlib | jsonl
-    path: str | None = None  # jsonl: a .jsonl file, a directory of them, or a glob
-    on_bad_record: str = "fail"  # fail | skip
+    path: str | None = None  # jsonl: a .jsonl or .json (array) file, a directory of them, or a glob
+    on_bad_record: str = "fail"  # fail | skip (counted by reason: data/skipped/<reason>)
     holdout_fraction: float = 0.05  # share of stdlib files / last jsonl records kept out of training (eval prompts)
     max_files: int | None = None  # stdlib: cap on source files read (null = all)
     min_supervised_tokens: int | None = None  # stdlib windows: null = 2 * block_size
     num_proc: int | None = None  # jsonl: processes that render the records (null = up to 8, one per core)
     pad_to_multiple_of: int = 64  # jsonl: a batch is as wide as its longest conversation, rounded up to this
+    long_conversations: str = "split"  # jsonl, past train.seq_len: split (rows at turn boundaries) | truncate
     chat_template_kwargs: dict = field(default_factory=dict)  # jsonl: e.g. {enable_thinking: false} for Qwen3
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 

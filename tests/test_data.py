@@ -133,7 +133,8 @@ def test_bad_records_are_counted_or_fail_with_file_and_line(tmp_path, tiny_token
     data.write_bytes(b"\n".join(lines) + b"\n")
     chat = _load(_data_cfg(data, on_bad_record="skip"), tiny_tokenizer, tiny_target, tmp_path / "c")
     assert chat.skipped == 3 and chat.train_rows.size + chat.heldout_rows.size == 2
-    with pytest.raises(BadRecordError, match=rf"{data}:2: assistant message 1 is empty"):
+    assert chat.skipped_by_reason == {"no_assistant_turn": 1, "empty_text": 1, "not_utf8": 1}
+    with pytest.raises(BadRecordError, match=rf"{data}:2: no assistant turn to supervise \[no_assistant_turn\]"):
         _load(_data_cfg(data), tiny_tokenizer, tiny_target, tmp_path / "c")
     data.write_bytes(b"\n".join([good.encode(), b'{"text": "caf\xe9"}']) + b"\n")
     with pytest.raises(BadRecordError, match=rf"{data}:2: not UTF-8"):

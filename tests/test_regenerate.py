@@ -164,3 +164,33 @@ def test_hf_backend_output_trains_with_data_jsonl(answered, tiny_target, tiny_to
         assert record["messages"] == good[i][1]["messages"]
         rendered = render_record(record, tiny_tokenizer, f"out:{i}", eot)
         assert len(rendered.answer_starts) == 2 and any(rendered.loss_mask)
+
+
+def test_hf_backend_fails_only_the_records_its_template_rejects(answered, tiny_target, tmp_path):
+    """ShareGPT's quirks through the hf backend, from a .json array: a leading assistant turn is context (the
+    template here rejects it: that record fails alone, as template_rejects), an empty conversation and a lone
+    gpt turn fail with training's reasons, the rest are regenerated."""
+    from dflash.tools.regenerate import failures_path, regenerate_file
+
+    backend = _hf_backend(tiny_target)
+    backend.tokenizer.chat_template = (
+        "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('must start with user') }}{% endif %}"
+        + backend.tokenizer.chat_template
+    )
+    good, _ = answered
+    turns = [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]} for m in good[0][0]["messages"]]
+    records = [
+        {"conversations": turns},
+        {"conversations": []},
+        {"conversations": [{"from": "gpt", "value": "lead"}, *turns]},
+        {"conversations": [{"from": "gpt", "value": "alone"}]},
+        {"conversations": [{"from": "system", "value": "shared"}, *turns]},
+    ]
+    inp, out = tmp_path / "in.json", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps(records))
+    outcome = regenerate_file(inp, out, backend, chunk_size=8)
+    assert outcome.completed == 2
+    assert outcome.failed_by_reason == {"empty_conversation": 1, "no_user_turn": 1, "template_rejects": 1}
+    failed = {f["where"].rsplit(":", 1)[1]: f["reason"] for f in _lines(failures_path(out))}
+    assert failed == {"record 2": "empty_conversation", "record 3": "template_rejects", "record 4": "no_user_turn"}
+    assert [r["source_index"] for r in _lines(out)] == [0, 4]

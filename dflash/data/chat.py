@@ -1,6 +1,10 @@
-"""One JSONL record -> token ids and a loss mask on exactly the assistant turns.
+"""One record -> token ids and a loss mask on exactly the assistant turns.
 
 A record is `{"text"}`, `{"messages": [{role, content}]}` or ShareGPT's `{"conversations": [{from, value}]}`.
+Conversations are normalised as real exports need (`record_messages`; docs/data.md states each decision):
+empty turns dropped, consecutive turns of one speaker merged, assistant turns before the first user turn kept
+as unsupervised context, turns after the last assistant turn dropped; what is left untrainable raises
+`BadRecordError` with a reason it is counted under.
 Chat records are rendered once with the tokenizer's chat template; each assistant turn's *character* span is
 found in that text (its generation prompt is a prefix of the conversation's render; the turn ends after its
 content and the template's end-of-turn marker), and a token is supervised when its characters overlap a span
@@ -26,6 +30,8 @@ SHAREGPT_ROLES = {
     "gpt": "assistant",
     "assistant": "assistant",
     "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
     "model": "assistant",
     "system": "system",
     "tool": "tool",
@@ -41,53 +47,80 @@ class Rendered:
     loss_mask: list[bool]
     answer_starts: list[int]  # token index where each supervised turn starts (eval prompts end there); [] for text
     is_chat: bool
+    answer_ends: list[int] | None = None  # token index after each supervised turn's last token
 
 
 def parse_line(raw: bytes, where: str) -> dict:
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise BadRecordError(f"{where}: not UTF-8 ({e.reason} at byte {e.start} of the line)") from None
+        raise BadRecordError(f"{where}: not UTF-8 ({e.reason} at byte {e.start} of the line)", "not_utf8") from None
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
-        raise BadRecordError(f"{where}: invalid JSON ({e.msg})") from None
+        raise BadRecordError(f"{where}: invalid JSON ({e.msg})", "invalid_json") from None
     if not isinstance(record, dict):
-        raise BadRecordError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        raise BadRecordError(f"{where}: expected a JSON object, got {type(record).__name__}", "bad_shape")
     return record
 
 
 def record_messages(record: dict, where: str) -> list[dict] | None:
-    """The record's chat messages as [{role, content}] (None for a `text` record), validated."""
+    """The record's chat messages as [{role, content}] (None for a `text` record), validated and normalised."""
     if "text" in record:
         if not isinstance(record["text"], str):
-            raise BadRecordError(f"{where}: 'text' must be a string")
+            raise BadRecordError(f"{where}: 'text' must be a string", "bad_shape")
         if not record["text"]:
-            raise BadRecordError(f"{where}: 'text' is empty: no token to supervise")
+            raise BadRecordError(f"{where}: 'text' is empty: no token to supervise", "empty_text")
         return None
     if "messages" in record:
         msgs = record["messages"]
-        ok = isinstance(msgs, list) and msgs and all(_is_message(m, "role", "content") for m in msgs)
-        if not ok:
-            raise BadRecordError(f"{where}: 'messages' must be a non-empty list of {{role, content}} strings")
+        if not (isinstance(msgs, list) and all(_is_message(m, "role", "content") for m in msgs)):
+            raise BadRecordError(f"{where}: 'messages' must be a list of {{role, content}} strings", "bad_shape")
         msgs = [{"role": m["role"], "content": m["content"]} for m in msgs]
     elif "conversations" in record:
         turns = record["conversations"]
-        ok = isinstance(turns, list) and turns and all(_is_message(t, "from", "value") for t in turns)
-        if not ok:
-            raise BadRecordError(f"{where}: 'conversations' must be a non-empty list of {{from, value}} strings")
+        if not (isinstance(turns, list) and all(_is_message(t, "from", "value") for t in turns)):
+            raise BadRecordError(f"{where}: 'conversations' must be a list of {{from, value}} strings", "bad_shape")
         unknown = sorted({t["from"] for t in turns} - set(SHAREGPT_ROLES))
         if unknown:
-            raise BadRecordError(f"{where}: unknown speaker(s) {unknown} (known: {sorted(SHAREGPT_ROLES)})")
+            known = sorted(SHAREGPT_ROLES)
+            raise BadRecordError(f"{where}: unknown speaker(s) {unknown} (known: {known})", "unknown_speaker")
         msgs = [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
     else:
-        raise BadRecordError(f"{where}: a record needs 'text', 'messages' or 'conversations' (keys: {sorted(record)})")
-    if not any(m["role"] == "assistant" for m in msgs):
-        raise BadRecordError(f"{where}: no assistant message to supervise")
-    empty = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and not m["content"].strip()]
-    if empty:
-        raise BadRecordError(f"{where}: assistant message {empty[0]} is empty (nothing to supervise there)")
-    return msgs
+        why = f"a record needs 'text', 'messages' or 'conversations' (keys: {sorted(record)})"
+        raise BadRecordError(f"{where}: {why}", "bad_shape")
+    return normalise(msgs, where)
+
+
+def normalise(msgs: list[dict], where: str) -> list[dict]:
+    """Empty turns dropped, consecutive turns of one role merged (blank line between), turns after the last
+    assistant turn dropped. Assistant turns before the first user turn stay, as context (`first_user`)."""
+    if not msgs:
+        raise BadRecordError(f"{where}: the conversation is empty", "empty_conversation")
+    merged: list[dict] = []
+    for m in msgs:
+        if not m["content"].strip():
+            continue
+        if merged and merged[-1]["role"] == m["role"]:
+            merged[-1] = {"role": m["role"], "content": merged[-1]["content"] + "\n\n" + m["content"]}
+        else:
+            merged.append(dict(m))
+    if not merged:
+        raise BadRecordError(f"{where}: every turn of the conversation is empty", "empty_conversation")
+    roles = [m["role"] for m in merged]
+    if "assistant" not in roles:
+        raise BadRecordError(f"{where}: no assistant turn to supervise", "no_assistant_turn")
+    if "user" not in roles:
+        raise BadRecordError(f"{where}: no user turn (the assistant's turns answer nothing)", "no_user_turn")
+    last = len(roles) - 1 - roles[::-1].index("assistant")
+    if last < roles.index("user"):
+        raise BadRecordError(f"{where}: no assistant turn answers a user turn", "no_assistant_turn")
+    return merged[: last + 1]
+
+
+def first_user(messages: list[dict]) -> int:
+    """Index of the first user turn: assistant turns before it are context, not supervised."""
+    return next(i for i, m in enumerate(messages) if m["role"] == "user")
 
 
 def _is_message(m, role_key: str, content_key: str) -> bool:
@@ -131,7 +164,8 @@ def assistant_char_spans(
         found = [(text.find(c, search_from), c) for c in candidates if c]
         found = [(at, c) for at, c in found if at >= 0]
         if not found:
-            raise BadRecordError(f"{where}: assistant message {i}'s content is not in the chat template's render")
+            why = f"assistant message {i}'s content is not in the chat template's render"
+            raise BadRecordError(f"{where}: {why}", "not_in_render")
         at, c = min(found, key=lambda f: (f[0], -len(f[1])))  # the earliest, and there the longest
         end = at + len(c)
         if eot and text.startswith(eot, end):
@@ -169,18 +203,24 @@ def render_record(record: dict, tokenizer, where: str, eot: str, **template_kwar
         ids = tokenizer(record["text"], add_special_tokens=False)["input_ids"]
         if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
             ids = ids + [tokenizer.eos_token_id]  # supervised: the drafter learns where text ends
-        return Rendered(ids, [True] * len(ids), [], False)
+        return Rendered(ids, [True] * len(ids), [], False, [])
     if not getattr(tokenizer, "chat_template", None):
-        raise BadRecordError(f"{where}: a chat record, but the target's tokenizer has no chat template")
+        why = "a chat record, but the target's tokenizer has no chat template"
+        raise BadRecordError(f"{where}: {why}", "no_chat_template")
     try:
         text = render_template(tokenizer, messages, False, **template_kwargs)
     except Exception as e:  # the template's own checks (e.g. roles must alternate) reject the conversation
-        raise BadRecordError(f"{where}: the chat template rejects the conversation ({e})") from None
+        raise BadRecordError(f"{where}: the chat template rejects the conversation ({e})", "template_rejects") from None
     spans = assistant_char_spans(tokenizer, messages, text, eot, where, **template_kwargs)
+    answered = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    spans = [span for i, span in zip(answered, spans) if i > first_user(messages)]  # leading turns: context
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
     mask = token_mask(offsets, spans)
-    starts = [int(np.argmax(token_mask(offsets, [span]))) for span in spans]
     if not mask.any():
-        raise BadRecordError(f"{where}: no token of an assistant turn (the chat template renders it empty)")
-    return Rendered(list(enc["input_ids"]), mask.tolist(), starts, True)
+        why = "no token of an assistant turn (the chat template renders it empty)"
+        raise BadRecordError(f"{where}: {why}", "no_supervised_token")
+    per_turn = [np.flatnonzero(token_mask(offsets, [span])) for span in spans]
+    starts = [int(t[0]) for t in per_turn if t.size]
+    ends = [int(t[-1]) + 1 for t in per_turn if t.size]
+    return Rendered(list(enc["input_ids"]), mask.tolist(), starts, True, ends)

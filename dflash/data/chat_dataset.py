@@ -1,10 +1,10 @@
-"""`data=jsonl` as a Hugging Face `datasets` table: JSONL lines -> rendered conversations (token ids, loss mask,
-answer starts), tokenised once by `map(num_proc=data.num_proc)` into memory-mapped Arrow files under the cache
-dir and reused by every later run and every rank. The cache is keyed by the data files' fingerprint, the
-tokenizer's files and the rendering version, so any change re-renders.
+"""`data=jsonl` as a Hugging Face `datasets` table: JSONL lines or .json array records -> rendered
+conversations (token ids, loss mask, answer starts and ends), tokenised once by `map(num_proc=data.num_proc)`
+into memory-mapped Arrow files under the cache dir and reused by every later run and every rank. The cache is
+keyed by the data files' fingerprint, the tokenizer's files and the rendering version, so any change re-renders.
 
-Bad records are kept as rows with an `error` ("file:line: why"), so `data.on_bad_record=fail` names the first
-one, and `skip` counts them, without a second pass over the data.
+Bad records are kept as rows with an `error` ("file:line: why") and a `reason`, so `data.on_bad_record=fail`
+names the first one, and `skip` counts them by reason, without a second pass over the data.
 """
 
 from __future__ import annotations
@@ -20,42 +20,46 @@ import numpy as np
 
 from dflash.data.chat import BadRecordError, end_of_turn_marker, parse_line, render_record
 from dflash.data.corpus import jsonl_files
+from dflash.data.records import iter_raw_records, read_error_reason
 
 log = logging.getLogger(__name__)
 
-RENDER_VERSION = 1  # bump when rendering changes, so caches made by older code are not reused
+RENDER_VERSION = 2  # bump when rendering changes, so caches made by older code are not reused
 _MIN_RECORDS_PER_PROC = 2_000  # below this, starting worker processes costs more than it saves
 
 
 def _read_lines(files: list[str], fingerprint: str):
-    """Raw JSONL lines with their `file:line`. `fingerprint` only keys the cache (the files' content)."""
+    """Raw records with their `file:line` (or `file:record N`), and the reader's error for a cut-off array.
+    `fingerprint` only keys the cache (the files' content)."""
     del fingerprint
     for f in files:
-        with open(f, "rb") as fh:
-            for lineno, raw in enumerate(fh, start=1):
-                if raw.strip():
-                    yield {"raw": raw.rstrip(b"\r\n"), "where": f"{f}:{lineno}"}
+        for where, raw, error in iter_raw_records(f):
+            yield {"raw": raw, "where": where, "read_error": error}
 
 
 def _render_batch(batch: dict, tokenizer, eot: str, template_kwargs: dict) -> dict:
     out: dict[str, list] = {"input_ids": [], "loss_mask": [], "answer_starts": [], "length": []}
-    out.update({"first_supervised": [], "is_chat": [], "where": [], "error": []})
-    for raw, where in zip(batch["raw"], batch["where"]):
+    out.update({"first_supervised": [], "is_chat": [], "where": [], "error": [], "reason": [], "answer_ends": []})
+    for raw, where, read_error in zip(batch["raw"], batch["where"], batch["read_error"]):
         try:
+            if read_error:
+                raise BadRecordError(read_error, read_error_reason(read_error))
             r = render_record(parse_line(raw, where), tokenizer, where, eot, **template_kwargs)
-            error = ""
+            error, reason = "", ""
         except BadRecordError as e:
-            r, error = None, str(e)
+            r, error, reason = None, str(e), e.reason
         mask = np.asarray(r.loss_mask if r else [], dtype=np.int8)
         supervised_after_first = np.flatnonzero(mask[1:]) + 1
         out["input_ids"].append(r.ids if r else [])
         out["loss_mask"].append(mask)
         out["answer_starts"].append(r.answer_starts if r else [])
+        out["answer_ends"].append(r.answer_ends if r else [])
         out["length"].append(len(mask))
         out["first_supervised"].append(int(supervised_after_first[0]) if supervised_after_first.size else -1)
         out["is_chat"].append(bool(r and r.is_chat))
         out["where"].append(where)
         out["error"].append(error)
+        out["reason"].append(reason)
     return out
 
 
@@ -67,11 +71,13 @@ def _features():
             "input_ids": Sequence(Value("int32")),
             "loss_mask": Sequence(Value("int8")),
             "answer_starts": Sequence(Value("int32")),
+            "answer_ends": Sequence(Value("int32")),  # token index after each supervised turn
             "length": Value("int32"),
             "first_supervised": Value("int32"),  # first supervised token after the first (-1: none)
             "is_chat": Value("bool"),
             "where": Value("string"),
             "error": Value("string"),
+            "reason": Value("string"),  # the error's reason ("" when none): data/skipped/<reason>
         }
     )
 
@@ -98,6 +104,7 @@ class ChatData:
     heldout_rows: np.ndarray
     skipped: int
     key: str
+    skipped_by_reason: dict  # reason -> bad records skipped
 
     def rows(self, indices) -> tuple[list[list[int]], list[list[int]]]:
         part = self.table[[int(i) for i in indices]]
@@ -117,12 +124,18 @@ def load_chat_data(data_cfg, tokenizer, fingerprint: dict, cache_dir: str | None
     table = _rendered_table(data_cfg, tokenizer, key, template_kwargs, cache_dir)
     errors = np.asarray(table.data.column("error").to_numpy(zero_copy_only=False))
     bad = np.flatnonzero(errors != "")
+    reasons = np.asarray(table.data.column("reason").to_numpy(zero_copy_only=False))[bad]
     if bad.size and data_cfg.on_bad_record == "fail":
-        raise BadRecordError(f"{errors[bad[0]]} (data.on_bad_record=skip skips and counts bad records)")
+        raise BadRecordError(
+            f"{errors[bad[0]]} [{reasons[0]}] (data.on_bad_record=skip skips and counts bad records by reason)",
+            str(reasons[0]),
+        )
     for i in bad[:5]:
         log.warning("skipping bad record %s", errors[i])
+    by_reason = {str(r): int(n) for r, n in zip(*np.unique(reasons, return_counts=True))}
     if bad.size:
-        log.warning("skipped %d bad records of %d (data.on_bad_record=skip)", bad.size, len(errors))
+        counts = ", ".join(f"{r} {n}" for r, n in sorted(by_reason.items(), key=lambda kv: -kv[1]))
+        log.warning("skipped %d bad records of %d (data.on_bad_record=skip): %s", bad.size, len(errors), counts)
     good = np.flatnonzero(errors == "")
     if good.size == 0:
         raise ValueError(f"data.path={data_cfg.path!r}: no usable record")
@@ -135,6 +148,7 @@ def load_chat_data(data_cfg, tokenizer, fingerprint: dict, cache_dir: str | None
         heldout_rows=good[good.size - held :],
         skipped=int(bad.size),
         key=key,
+        skipped_by_reason=by_reason,
     )
     _loaded[memo] = data
     return data

@@ -20,7 +20,12 @@ DEFAULT_HOLDOUT = 0.05  # share of stdlib files held out (data.holdout_fraction'
 
 
 class BadRecordError(ValueError):
-    """A malformed record in a data file; the message starts with `file:line`."""
+    """A record that cannot be trained on; the message starts with `file:line` (`file:record N` in a .json
+    array), `reason` is a short name it is counted under (`data/skipped/<reason>`; docs/data.md lists them)."""
+
+    def __init__(self, message: str, reason: str = "bad_record"):
+        super().__init__(message)
+        self.reason = reason
 
 
 def stdlib_root() -> Path:
@@ -55,7 +60,8 @@ class Document:
 
 
 def jsonl_files(path: str) -> list[Path]:
-    """The .jsonl files `data.path` names: a file, a directory's *.jsonl, or a glob (sorted)."""
+    """The data files `data.path` names: a .jsonl or .json file, a directory's *.jsonl and *.json, or a glob
+    (sorted). A .json file holds an array of records (dflash/data/records.py)."""
     if any(c in path for c in "*?["):
         matches = glob.glob(str(Path(path).expanduser()), recursive=True)
         files = sorted(p for p in map(Path, matches) if p.is_file())
@@ -64,9 +70,9 @@ def jsonl_files(path: str) -> list[Path]:
         return files
     p = Path(path).expanduser()
     if p.is_dir():
-        files = sorted(p.glob("*.jsonl"))
+        files = sorted([*p.glob("*.jsonl"), *p.glob("*.json")])
         if not files:
-            raise FileNotFoundError(f"data.path={path!r}: directory has no .jsonl files")
+            raise FileNotFoundError(f"data.path={path!r}: directory has no .jsonl or .json files")
         return files
     if not p.is_file():
         raise FileNotFoundError(f"data.path={path!r}: no such file or directory")

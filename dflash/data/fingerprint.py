@@ -47,6 +47,8 @@ def data_fingerprint(data_cfg, target: str) -> dict:
         if (target_dir / name).is_file():
             tokenizer[name] = file_hash(target_dir / name)
     settings = {k: data_cfg.get(k) for k in ("name", "holdout_fraction", "max_files", "min_supervised_tokens")}
+    if data_cfg.name == "jsonl" and data_cfg.get("long_conversations", "truncate") != "truncate":
+        settings["long_conversations"] = data_cfg.get("long_conversations")  # runs from before it truncated
     if data_cfg.get("chat_template_kwargs"):  # only when set: runs recorded before it existed still match
         settings["chat_template_kwargs"] = _plain(data_cfg.get("chat_template_kwargs"))
     return {"files": files, "tokenizer": tokenizer or {"hub": target}, "settings": settings}

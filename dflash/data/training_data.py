@@ -4,7 +4,7 @@ buckets, rendered once into the `datasets` cache), built the same on every rank.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -14,6 +14,7 @@ from dflash.data.chat_dataset import ChatData, load_chat_data
 from dflash.data.corpus import stdlib_documents
 from dflash.data.fingerprint import data_fingerprint
 from dflash.data.regenerate import regenerated_corpus
+from dflash.data.rows import build_rows, fetch_rows
 
 log = logging.getLogger(__name__)
 
@@ -21,8 +22,11 @@ log = logging.getLogger(__name__)
 @dataclass
 class TrainingData:
     batches: PackedBatches | BucketedBatches
-    skipped_records: int = 0
+    skipped_records: int = 0  # records not trained on: the sum of skipped_by_reason
     chat: ChatData | None = None  # data=jsonl: the rendered records (the eval prompts come from its held-out rows)
+    skipped_by_reason: dict = field(default_factory=dict)  # reason -> records (data/skipped/<reason>)
+    # data=jsonl: supervised tokens of the usable records: all, kept by truncating at seq_len, kept by the rows
+    supervised_tokens: dict = field(default_factory=dict)
 
 
 def build_training_data(
@@ -72,36 +76,42 @@ def run_training_data(cfg, tokenizer, target_model, fingerprint: dict | None) ->
 def _jsonl_data(data_cfg, train_cfg, tokenizer, target_path, cache_dir, fingerprint) -> TrainingData:
     fingerprint = fingerprint or data_fingerprint(data_cfg, target_path)
     chat = load_chat_data(data_cfg, tokenizer, fingerprint, cache_dir)
-    seq_len = train_cfg.seq_len
-    first = chat.first_supervised[chat.train_rows]
-    # a row teaches something when a supervised token follows its first one within seq_len (an anchor fits)
-    usable = chat.train_rows[(first > 0) & (first < seq_len)]
-    dropped = chat.train_rows.size - usable.size
-    lengths = chat.lengths[usable]
-    truncated = int((lengths > seq_len).sum())
+    seq_len, mode = train_cfg.seq_len, data_cfg.get("long_conversations") or "split"
+    rows = build_rows(chat, chat.train_rows, seq_len, mode)
+    skipped = dict(chat.skipped_by_reason)
+    if rows.left_out:  # nothing to supervise within a row: an anchor needs a supervised token after it
+        skipped["nothing_to_supervise_within_seq_len"] = rows.left_out
+    sup = {"total": rows.supervised_total, "truncated": rows.supervised_truncated, "kept": rows.supervised_kept}
     log.info(
-        "data=jsonl: %d records (%d held out for eval prompts, %d skipped as bad), %.2fM tokens; "
-        "%d longer than train.seq_len=%d are truncated (%.1f%% of their tokens)%s",
+        "data=jsonl: %d records (%d held out for eval prompts, %d skipped as bad), %.2fM tokens in %d rows; "
+        "%d longer than train.seq_len=%d are %s (data.long_conversations); supervised tokens: %.2fM in all, "
+        "%.2fM (%.1f%%) kept by truncating at seq_len, %.2fM (%.1f%%) kept by these rows%s",
         chat.train_rows.size + chat.heldout_rows.size,
         chat.heldout_rows.size,
         chat.skipped,
-        lengths.sum() / 1e6,
-        truncated,
+        rows.lengths.sum() / 1e6,
+        rows.record.size,
+        rows.split_records,
         seq_len,
-        100 * np.clip(lengths - seq_len, 0, None).sum() / max(1, lengths.sum()),
-        f"; {dropped} have no supervised token within seq_len and are left out" if dropped else "",
+        "split at turn boundaries" if mode == "split" else "truncated",
+        sup["total"] / 1e6,
+        sup["truncated"] / 1e6,
+        100 * sup["truncated"] / max(1, sup["total"]),
+        sup["kept"] / 1e6,
+        100 * sup["kept"] / max(1, sup["total"]),
+        f"; {rows.left_out} have no supervised token within seq_len and are left out" if rows.left_out else "",
     )
     batches = BucketedBatches(
-        chat.rows,
-        usable,
-        chat.lengths,
+        fetch_rows(chat, rows),
+        np.arange(rows.record.size),
+        rows.lengths,
         seq_len,
         train_cfg.batch_size,
         train_cfg.seed,
         _pad_id(tokenizer),
         pad_to_multiple_of=data_cfg.pad_to_multiple_of,
     )
-    return TrainingData(batches, chat.skipped, chat)
+    return TrainingData(batches, sum(skipped.values()), chat, skipped, sup)
 
 
 def _pad_id(tokenizer) -> int:

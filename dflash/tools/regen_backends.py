@@ -54,21 +54,27 @@ class HFBackend:
         from dflash.model.generate import generate_continuations
 
         s = self.settings
-        prompts = [
-            self.tokenizer.apply_chat_template(
-                c, tokenize=False, add_generation_prompt=True, **s.chat_template_kwargs()
-            )
-            for c in conversations
-        ]
-        ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        replies: list[str | BaseException] = [ValueError("not generated")] * len(conversations)
+        ids, asked = [], []
+        for i, c in enumerate(conversations):
+            try:
+                prompt = self.tokenizer.apply_chat_template(
+                    c, tokenize=False, add_generation_prompt=True, **s.chat_template_kwargs()
+                )
+            except Exception as e:  # noqa: BLE001 - the template rejects this conversation: its failure alone
+                replies[i] = ValueError(f"the chat template rejects the conversation ({e})")
+                continue
+            ids.append(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            asked.append(i)
+        if not ids:
+            return replies
         torch.manual_seed(s.seed)
         outs = generate_continuations(self.model, ids, s.max_new_tokens, s.temperature, self.stop_ids, self.pad_id)
-        replies: list[str | BaseException] = []
-        for out in outs:
+        for i, out in zip(asked, outs):
             if out and out[-1] in self.stop_ids:
                 out = out[:-1]  # the end-of-turn token is the template's, not the content's
             text = self.tokenizer.decode(out, skip_special_tokens=False)
-            replies.append(text if text.strip() else ValueError("the target's reply is empty"))
+            replies[i] = text if text.strip() else ValueError("the target's reply is empty")
         return replies
 
 

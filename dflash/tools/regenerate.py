@@ -2,12 +2,14 @@
 with the target, given the conversation so far (the paper's and every peer's recipe: the drafter learns the
 target's own answers).
 
-IN: JSONL as `data=jsonl` reads it (`messages`, ShareGPT `conversations`; `text` records are copied as they
-are). OUT: `{"messages": [...], "source_index": i}` per record, a file `data=jsonl` reads directly.
+IN: JSONL or a .json array, as `data=jsonl` reads it (`messages`, ShareGPT `conversations`, normalised as for
+training; `text` records are copied as they are; assistant turns before the first user turn are kept as they
+are, as context). OUT: `{"messages": [...], "source_index": i}` per record, a file `data=jsonl` reads directly.
 Resumable: records already in OUT are skipped, so a rerun after a crash (or after failures) does only the
 rest; once every record is done, OUT is put in IN's order. Records are done in chunks, turn by turn across
-the chunk (turn k of every record in one batch for `hf`, or concurrent requests for `openai`). A record whose
-request fails is counted and listed in OUT.failures.jsonl, never fatal for the job.
+the chunk (turn k of every record in one batch for `hf`, or concurrent requests for `openai`). A record that
+cannot be regenerated (one training skips, with the same reason: empty, no user turn, ...; the template
+rejects it; its request fails) is counted and listed in OUT.failures.jsonl with its reason, never fatal.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash.data.chat import parse_line, record_messages
+from dflash.data.chat import first_user, parse_line, record_messages
 from dflash.data.corpus import BadRecordError
+from dflash.data.records import iter_raw_records, read_error_reason
 
 log = logging.getLogger("dflash.regenerate")
 
@@ -34,26 +37,25 @@ class Outcome:
     completed: int
     failed: int
     out: Path
+    failed_by_reason: dict
 
 
 def failures_path(out: Path) -> Path:
     return out.with_name(out.name + ".failures.jsonl")
 
 
-def read_inputs(path: Path) -> list[tuple[str, dict | None, str]]:
-    """Every non-empty line of IN as (where, record or None, error)."""
+def read_inputs(path: Path) -> list[tuple[str, dict | None, str, str]]:
+    """Every record of IN (a JSONL line or an element of a .json array) as (where, record or None, error, reason)."""
     rows = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = parse_line(raw.rstrip(b"\r\n"), where)
-                record_messages(record, where)  # validated now: a bad record fails alone, before any request
-                rows.append((where, record, ""))
-            except BadRecordError as e:
-                rows.append((where, None, str(e)))
+    for where, raw, read_error in iter_raw_records(path):
+        try:
+            if read_error:
+                raise BadRecordError(read_error, read_error_reason(read_error))
+            record = parse_line(raw, where)
+            record_messages(record, where)  # validated now: a bad record fails alone, before any request
+            rows.append((where, record, "", ""))
+        except BadRecordError as e:
+            rows.append((where, None, str(e), e.reason))
     return rows
 
 
@@ -89,6 +91,9 @@ def regenerate_record_turns(backend, records: list[dict]) -> list[dict | BaseExc
     results: list[dict | BaseException] = [None] * len(records)  # type: ignore[list-item]
     new = [[] if c is not None else None for c in convs]
     pos = [0] * len(records)
+    for i, c in enumerate(convs):  # assistant turns before the first user turn answer nothing: kept as context
+        if c is not None:
+            new[i], pos[i] = list(c[: first_user(c)]), first_user(c)
     while True:
         asking = []  # records waiting for their next assistant turn
         for i, c in enumerate(convs):
@@ -103,7 +108,10 @@ def regenerate_record_turns(backend, records: list[dict]) -> list[dict | BaseExc
                 asking.append(i)
         if not asking:
             break
-        replies = backend.complete([new[i] for i in asking])
+        try:
+            replies = backend.complete([new[i] for i in asking])
+        except Exception as e:  # noqa: BLE001 - a batch that fails as a whole fails its records, not the job
+            replies = [e] * len(asking)
         for i, reply in zip(asking, replies):
             if isinstance(reply, BaseException):
                 results[i] = reply
@@ -122,8 +130,13 @@ def regenerate_file(in_path: Path, out: Path, backend, chunk_size: int) -> Outco
     inputs = read_inputs(in_path)
     done = done_indices(out)
     todo = [i for i in range(len(inputs)) if i not in done]
-    failures = [{"source_index": i, "where": inputs[i][0], "error": inputs[i][2]} for i in todo if inputs[i][1] is None]
+    failures = [
+        {"source_index": i, "where": inputs[i][0], "reason": inputs[i][3], "error": inputs[i][2]}
+        for i in todo
+        if inputs[i][1] is None
+    ]
     todo = [i for i in todo if inputs[i][1] is not None]
+    regenerable = len(done) + len(todo)
     completed, t0 = 0, time.monotonic()
     log.info("%s: %d records, %d already in %s, %d to do", in_path, len(inputs), len(done), out, len(todo))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -134,7 +147,9 @@ def regenerate_file(in_path: Path, out: Path, backend, chunk_size: int) -> Outco
             lines = []
             for i, result in zip(chunk, results):
                 if isinstance(result, BaseException):
-                    failures.append({"source_index": i, "where": inputs[i][0], "error": _describe(result)})
+                    failures.append(
+                        {"source_index": i, "where": inputs[i][0], "reason": reason(result), "error": _describe(result)}
+                    )
                 else:
                     lines.append(json.dumps({**result, "source_index": i}, ensure_ascii=False).encode() + b"\n")
             sink.write(b"".join(lines))
@@ -144,9 +159,23 @@ def regenerate_file(in_path: Path, out: Path, backend, chunk_size: int) -> Outco
             rate = (start + len(chunk)) / max(time.monotonic() - t0, 1e-9)
             phase.advance(len(chunk), info=f"{rate:.1f} records/s, {len(failures)} failed")
     _write_failures(out, failures)
-    if not failures and len(done) + completed == len(inputs):
+    if len(done) + completed == regenerable:  # every record that can be regenerated is
         _sort_by_source(out)
-    return Outcome(len(inputs), len(done), completed, len(failures), out)
+    by_reason: dict[str, int] = {}
+    for f in failures:
+        by_reason[f["reason"]] = by_reason.get(f["reason"], 0) + 1
+    return Outcome(len(inputs), len(done), completed, len(failures), out, by_reason)
+
+
+def reason(error: BaseException) -> str:
+    """What a failed record is counted under: a bad record's reason, or what the backend's failure was."""
+    if isinstance(error, BadRecordError):
+        return error.reason
+    if "TemplateError" in type(error).__name__ or "template" in str(error).lower():
+        return "template_rejects"
+    if "empty" in str(error):
+        return "empty_reply"
+    return "request_failed"
 
 
 def _describe(error: BaseException) -> str:
@@ -190,7 +219,7 @@ def build_backend(args: argparse.Namespace):
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dflash.regenerate", description=__doc__.split("\n\n")[0])
-    p.add_argument("input", type=Path, help="chat JSONL (messages or ShareGPT conversations)")
+    p.add_argument("input", type=Path, help="chat JSONL or .json array (messages or ShareGPT conversations)")
     p.add_argument("output", type=Path, help="regenerated JSONL (resumed when it exists)")
     p.add_argument("--backend", choices=("hf", "openai"), default="hf")
     p.add_argument("--target", help="hf: the target model (directory or hub id)")
@@ -227,7 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         backend.name,
         outcome.done_before,
         outcome.failed,
-        f": see {failures_path(outcome.out)}; rerun the same command to retry them" if outcome.failed else "",
+        f" {outcome.failed_by_reason}: see {failures_path(outcome.out)}; rerun the same command to retry them"
+        if outcome.failed
+        else "",
         outcome.out,
     )
     return 0
