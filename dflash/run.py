@@ -183,6 +183,7 @@ def _ticker(job: Job, callbacks: CallbackList, summary: dict, t_start: float):
             last.update(tokens=job.trainer.tokens, time=now)
         if job.data.skipped_records:
             metrics["data/skipped_records"] = job.data.skipped_records
+        metrics.update({f"data/skipped/{reason}": n for reason, n in job.data.skipped_by_reason.items()})
         summary.update({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
         callbacks.on_metrics(metrics)
 

@@ -105,6 +105,7 @@ def validate(cfg: DictConfig | Config) -> None:
     _one_of("data.on_bad_record", d.on_bad_record, BAD_RECORD_POLICIES)
     if d.name == "jsonl":
         _check(bool(d.path), "data.path", d.path, "data=jsonl needs data.path (a .jsonl file or a directory of them)")
+    _one_of("data.long_conversations", d.get("long_conversations", "split"), ("split", "truncate"))
     _check(0.0 < d.holdout_fraction < 1.0, "data.holdout_fraction", d.holdout_fraction, "must be in (0, 1)")
     _optional_at_least("data.max_files", d.max_files, 1)
     _optional_at_least("data.num_proc", d.num_proc, 1)
