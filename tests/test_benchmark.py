@@ -1,0 +1,156 @@
+"""Benchmark suites (z-lab's formatting and sampling, packaged data, local copies) and `python -m dflash.benchmark`."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import launch
+
+from dflash.evaluation import suites as S
+from dflash.evaluation.benchmark import markdown_table, suite_metrics
+
+LOCAL = Path(__file__).parent / "data" / "bench"
+BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+# the first row of each local copy, formatted as z-lab's DATASETS table formats it (written out, not computed)
+FIRST = {
+    "gsm8k": ["Tom has 0 apples and buys 2 more. How many apples does he have?" + BOXED],
+    "math500": ["What is $\\sqrt{4}$?" + BOXED],
+    "humaneval": [
+        "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
+        '\n\ndef add_0(x: int) -> int:\n    """ Return x plus 0.\n    >>> add_0(1)\n    1\n    """\n\n```'
+    ],
+    "mbpp": ["Write a python function to multiply a number by 0."],
+    "mt-bench": ["Write a short poem about the number 0.", "Now rewrite it as a limerick."],
+}
+
+
+@pytest.fixture
+def bench_cache(tmp_path) -> Path:
+    shutil.copytree(LOCAL, tmp_path / "bench")
+    return tmp_path
+
+
+@pytest.mark.parametrize("suite", list(FIRST))
+def test_zlab_formatting_of_first_rows(suite, bench_cache):
+    convs, source = S.suite_prompts(suite, bench_cache)
+    assert source == str(bench_cache / "bench" / f"{suite}.jsonl")
+    assert convs[0] == FIRST[suite]
+    assert len(convs) == 5
+
+
+@pytest.mark.parametrize("suite", list(FIRST))
+def test_max_samples_picks_zlabs_rows(suite, bench_cache):
+    everything, _ = S.suite_prompts(suite, bench_cache)
+    # z-lab: random.seed(0); random.shuffle(rows); rows[:n] -- over 5 rows that order is 2, 1, 0, 4, 3
+    picked, _ = S.suite_prompts(suite, bench_cache, max_samples=3)
+    assert picked == [everything[2], everything[1], everything[0]]
+    assert S.suite_prompts(suite, bench_cache, max_samples=5)[0] == everything  # no more than N rows: kept as is
+    assert S.suite_prompts(suite, bench_cache, max_samples=3, seed=42)[0] != picked
+
+
+def test_jsonl_suite_and_unknown(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "one"}\n{"turns": ["a", "b"]}\n')
+    assert S.suite_prompts(f"jsonl:{path}")[0] == [["one"], ["a", "b"]]
+    with pytest.raises(ValueError, match="unknown suite"):
+        S.get_suite("gsm9k")
+
+
+def test_hub_rows_become_the_local_copy_and_offline_says_where(tmp_path, monkeypatch):
+    import datasets
+
+    rows = [{"question": "q1", "answer": "a"}, {"question": "q2", "answer": "b"}]
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: rows)
+    assert S.suite_prompts("gsm8k", tmp_path)[0] == [["q1" + BOXED], ["q2" + BOXED]]
+    assert (tmp_path / "bench" / "gsm8k.jsonl").read_text().splitlines() == [json.dumps(r) for r in rows]
+
+    def offline(*a, **k):
+        raise ConnectionError("hub unreachable")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(FileNotFoundError, match=r"bench/math500\.jsonl"):
+        S.suite_prompts("math500", tmp_path)
+
+
+def test_packaged_humaneval_is_openai_humaneval(tmp_path):
+    convs, source = S.suite_prompts("humaneval", tmp_path)
+    assert source == "package" and len(convs) == 164
+    assert convs[0][0].startswith("Write a solution to the following problem and make sure that it passes the tests:")
+    assert "def has_close_elements(" in convs[0][0]
+
+
+def test_packaged_sharegpt_heldout(tmp_path):
+    convs, source = S.suite_prompts("sharegpt", tmp_path)
+    assert source == "package" and len(convs) == S.SHAREGPT_HELDOUT
+    assert all(len(c) == 1 and c[0].strip() for c in convs)
+    assert S.suite_prompts("sharegpt", tmp_path, max_samples=4)[0] == S.sample_rows(convs, 4)
+
+
+def test_json_array_stream_stops_at_the_cut():
+    text = '[ {"a": [1, 2]}, "x", 12345,\n {"b": "never ends'
+    for chunk in (1, 3, 7, 1000):
+        assert list(S.iter_json_array(io.StringIO(text), chunk_chars=chunk)) == [{"a": [1, 2]}, "x", 12345]
+    assert list(S.iter_json_array(io.StringIO("[1, 22]"), chunk_chars=2)) == [1, 22]
+
+
+def test_tau_is_zlabs_mean_of_means_and_pooled_is_tokens_per_cycle():
+    def gen(accepts, tokens):
+        return dict(
+            accept_lengths=accepts, tokens=list(range(tokens)), decode_time_s=1.0, target_only_decode_time_s=2.0,
+            target_only_decode_tokens=tokens - 1, matches_target_only=True, lookup_accept_lengths=[1, 2],
+        )  # fmt: skip
+
+    m = suite_metrics([gen([4, 4], 9), gen([1, 1, 1, 1], 5)], block_size=4, temperature=0.0, num_prompts=2)
+    assert m["tau"] == pytest.approx((4 + 1) / 2)
+    assert m["tau_pooled"] == pytest.approx(12 / 6)
+    assert m["acc_hist_4"] == pytest.approx(2 / 6) and m["acc_pos_1"] == pytest.approx(2 / 6)
+    assert m["speedup"] == pytest.approx(2.0) and m["lossless"] == 1.0 and m["tau_lookup"] == 1.5
+    table = markdown_table(
+        {"results": {"gsm8k@T0": {"settings": {"suite": "gsm8k", "temperature": 0.0}, "metrics": m}}}
+    )
+    assert "| gsm8k | 2.50 | 2.00× | 2 |" in table
+
+
+@pytest.mark.slow
+def test_benchmark_packaged_suites_on_a_trained_drafter(tmp_path, cache_dir, tiny_target, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from dflash import benchmark
+    from dflash.evaluation import benchmark as runner
+    from dflash.train.checkpointer import load_drafter_from_source
+
+    run_dir = tmp_path / "run"
+    launch(
+        ["experiment=smoke", f"hydra.run.dir={run_dir}", "train.max_steps=30", "eval.num_prompts=0"],
+        cache_dir,
+        timeout=240,
+        check=True,
+    )
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(cache_dir))
+    args = [str(run_dir), "--suites", "humaneval,sharegpt", "--max-samples", "4", "--max-new-tokens", "12"]
+    assert benchmark.main(args) == 0
+    data = json.loads((run_dir / "benchmarks.json").read_text())
+    for key in ("humaneval@T0", "sharegpt@T0"):
+        m = data["results"][key]["metrics"]
+        assert m["lossless"] == 1.0 and m["num_prompts"] == 4
+        assert 1.0 <= m["tau"] <= data["results"][key]["settings"]["block_size"]
+        assert m["tau_pooled"] >= 1.0 and m["speedup"] > 0
+    table = (run_dir / "benchmarks.md").read_text()
+    assert "| humaneval |" in table and "| sharegpt |" in table
+
+    # replay: the recorded prompt ids through the same decoding give the same acceptance sequences
+    drafter, target = load_drafter_from_source(run_dir)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=drafter.dtype).eval()
+    recorded = [g["accept_lengths"] for g in data["results"]["humaneval@T0"]["generations"]]
+    assert runner.replay(model, drafter.eval(), data, "humaneval@T0") == recorded
+
+    # resume: results with the same settings are kept, not decoded again
+    calls = []
+    monkeypatch.setattr(runner, "run_suite", lambda *a, **k: calls.append(a) or {})
+    assert benchmark.main(args) == 0
+    assert calls == []
