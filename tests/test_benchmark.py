@@ -117,20 +117,24 @@ def test_tau_is_zlabs_mean_of_means_and_pooled_is_tokens_per_cycle():
 
 
 @pytest.mark.slow
-def test_benchmark_packaged_suites_on_a_trained_drafter(tmp_path, cache_dir, tiny_target, monkeypatch):
+def test_benchmark_packaged_suites_on_a_trained_drafter(tmp_path, cache_dir, tiny_target, monkeypatch, capsys):
     from transformers import AutoModelForCausalLM
 
     from dflash import benchmark
     from dflash.evaluation import benchmark as runner
+    from dflash.tools.compare_cli import main as compare_main
     from dflash.train.checkpointer import load_drafter_from_source
 
     run_dir = tmp_path / "run"
-    launch(
-        ["experiment=smoke", f"hydra.run.dir={run_dir}", "train.max_steps=30", "eval.num_prompts=0"],
-        cache_dir,
-        timeout=240,
-        check=True,
-    )
+    # eval.suites: the benchmarks at the end of training, their tau in summary.json and as compare columns
+    overrides = ["train.max_steps=300", "eval.num_prompts=0", "eval.suites=[humaneval]", "eval.suite_max_samples=2"]
+    launch(["experiment=smoke", f"hydra.run.dir={run_dir}", *overrides], cache_dir, timeout=240, check=True)
+    at_end = json.loads((run_dir / "benchmarks.json").read_text())["results"]["humaneval@T0"]
+    assert at_end["settings"]["max_samples"] == 2 and at_end["metrics"]["lossless"] == 1.0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["bench/humaneval/tau"] == at_end["metrics"]["tau"]
+    assert compare_main([str(tmp_path), "--format", "csv"]) == 0
+    assert "bench/humaneval/tau" in capsys.readouterr().out
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(cache_dir))
     args = [str(run_dir), "--suites", "humaneval,sharegpt", "--max-samples", "4", "--max-new-tokens", "12"]
     assert benchmark.main(args) == 0
@@ -140,14 +144,17 @@ def test_benchmark_packaged_suites_on_a_trained_drafter(tmp_path, cache_dir, tin
         assert m["lossless"] == 1.0 and m["num_prompts"] == 4
         assert 1.0 <= m["tau"] <= data["results"][key]["settings"]["block_size"]
         assert m["tau_pooled"] >= 1.0 and m["speedup"] > 0
+    # 300 steps on the tiny random target: drafts accepted on ShareGPT prompts (humaneval's stay near 1)
+    assert data["results"]["sharegpt@T0"]["metrics"]["tau"] > 1.0
     table = (run_dir / "benchmarks.md").read_text()
     assert "| humaneval |" in table and "| sharegpt |" in table
 
     # replay: the recorded prompt ids through the same decoding give the same acceptance sequences
     drafter, target = load_drafter_from_source(run_dir)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=drafter.dtype).eval()
-    recorded = [g["accept_lengths"] for g in data["results"]["humaneval@T0"]["generations"]]
-    assert runner.replay(model, drafter.eval(), data, "humaneval@T0") == recorded
+    for key in ("humaneval@T0", "sharegpt@T0"):
+        recorded = [g["accept_lengths"] for g in data["results"][key]["generations"]]
+        assert runner.replay(model, drafter.eval(), data, key) == recorded
 
     # resume: results with the same settings are kept, not decoded again
     calls = []

@@ -239,18 +239,6 @@ def markdown_table(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def flat_metrics(data: dict) -> dict[str, float]:
-    """`bench/<suite>/<metric>` at temperature 0 (the published number), `bench/<suite>/T<t>/<metric>` at others."""
-    out: dict[str, float] = {}
-    for r in data.get("results", {}).values():
-        s, t = r["settings"]["suite"], r["settings"]["temperature"]
-        prefix = f"bench/{s}" if t == 0 else f"bench/{s}/T{t:g}"
-        for k in ("tau", "tau_pooled", "speedup", "tau_lookup", "lossless", "num_prompts"):
-            if k in r["metrics"]:
-                out[f"{prefix}/{k}"] = r["metrics"][k]
-    return out
-
-
 def replay(target, drafter, data: dict, key: str) -> list[list[int]]:
     """The acceptance lengths of a recorded result's generations, decoded again from their recorded prompt
     token ids with its settings (temperature 0: the same drafter and target give the same sequences)."""
