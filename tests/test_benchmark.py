@@ -161,3 +161,49 @@ def test_benchmark_packaged_suites_on_a_trained_drafter(tmp_path, cache_dir, tin
     monkeypatch.setattr(runner, "run_suite", lambda *a, **k: calls.append(a) or {})
     assert benchmark.main(args) == 0
     assert calls == []
+
+
+def test_thinking_setting_reaches_the_chat_template(tiny_tokenizer):
+    import copy
+
+    tok = copy.copy(tiny_tokenizer)
+    tok.chat_template = (Path(__file__).parent / "data" / "qwen3_style.jinja").read_text()
+    msgs = [{"role": "user", "content": "hi"}]
+    off, on = S.chat_prompt(tok, msgs, False), S.chat_prompt(tok, msgs, True)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert on.endswith("<|im_start|>assistant\n") and S.chat_prompt(tok, msgs, None) == on
+
+
+def test_multi_turn_runs_turn_by_turn_with_the_targets_answers(tiny_target, tiny_tokenizer, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from dflash.evaluation.benchmark import run_benchmarks
+    from dflash.model.build import init_drafter
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    tc = target.config
+    cfg = Qwen3Config(
+        vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+    )  # fmt: skip
+    cfg.dflash_config = {"mask_token_id": tiny_tokenizer.mask_token_id, "target_layer_ids": [0, 1], "block_size": 4}
+    cfg.block_size, cfg.num_target_layers = 4, tc.num_hidden_layers
+    drafter = init_drafter(cfg, 0, torch.device("cpu"), torch.float32).eval()
+    suite = tmp_path / "two.jsonl"
+    suite.write_text(json.dumps({"turns": ["def f(x):", "and g?"]}) + "\n" + json.dumps({"prompt": "import os"}) + "\n")
+    data = run_benchmarks(
+        target, drafter, tiny_tokenizer, tmp_path, suites=[f"jsonl:{suite}"], max_new_tokens=6, lookup=False
+    )
+    r = data["results"][f"jsonl:{suite}@T0"]
+    assert [(g["conversation"], g["turn"]) for g in r["generations"]] == [(0, 0), (1, 0), (0, 1)]
+    first, second = r["generations"][0], r["generations"][2]
+    answer = tiny_tokenizer.decode(first["tokens"], skip_special_tokens=True)
+    expected = [
+        {"role": "user", "content": "def f(x):"},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "and g?"},
+    ]
+    assert second["prompt_ids"] == tiny_tokenizer.encode(S.chat_prompt(tiny_tokenizer, expected, False))
+    assert r["metrics"]["num_prompts"] == 2 and r["metrics"]["num_generations"] == 3 and r["metrics"]["lossless"] == 1
+    assert (tmp_path / "benchmarks.md").read_text().startswith("| suite | τ (T=0) |")

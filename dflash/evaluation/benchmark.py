@@ -63,7 +63,6 @@ def run_suite(
     """One suite at one temperature: metrics and generations (see the module docstring)."""
     histories: list[list[dict]] = [[] for _ in conversations]
     generations: list[dict] = []
-    lossless = True
     for turn in range(max(len(c) for c in conversations)):
         active = [i for i, c in enumerate(conversations) if turn < len(c)]
         prompts = []
@@ -83,8 +82,6 @@ def run_suite(
             eos_id=tokenizer.eos_token_id,
             warmup=turn == 0,
         )
-        if temperature <= 0:
-            lossless = lossless and result.get("eval/lossless") == 1.0
         for i, p, row in zip(active, prompts, result["details"]["prompts"]):
             histories[i].append(
                 {"role": "assistant", "content": tokenizer.decode(row["tokens"], skip_special_tokens=True)}
