@@ -104,6 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print((out / TABLE_FILE).read_text(), end="")
     print(f"wrote {out / 'benchmarks.json'} ({len(data['results'])} results) and {out / TABLE_FILE}")
+    for name, why in data["missing"].items():
+        print(f"skipped {name}: {why}", file=sys.stderr)
     return 0
 
 

@@ -57,6 +57,9 @@ def test_jsonl_suite_and_unknown(tmp_path):
     path = tmp_path / "mine.jsonl"
     path.write_text('{"prompt": "one"}\n{"turns": ["a", "b"]}\n')
     assert S.suite_prompts(f"jsonl:{path}")[0] == [["one"], ["a", "b"]]
+    path.write_text('{"prompt": "one"}\n{"prompt": \n')
+    with pytest.raises(ValueError, match="mine.jsonl:2: not JSON"):
+        S.suite_prompts(f"jsonl:{path}")
     with pytest.raises(ValueError, match="unknown suite"):
         S.get_suite("gsm9k")
 
@@ -196,6 +199,7 @@ def test_multi_turn_runs_turn_by_turn_with_the_targets_answers(tiny_target, tiny
         target, drafter, tiny_tokenizer, tmp_path, suites=[f"jsonl:{suite}"], max_new_tokens=6, lookup=False
     )
     r = data["results"][f"jsonl:{suite}@T0"]
+    assert data["missing"] == {}
     assert [(g["conversation"], g["turn"]) for g in r["generations"]] == [(0, 0), (1, 0), (0, 1)]
     first, second = r["generations"][0], r["generations"][2]
     answer = tiny_tokenizer.decode(first["tokens"], skip_special_tokens=True)
@@ -207,3 +211,5 @@ def test_multi_turn_runs_turn_by_turn_with_the_targets_answers(tiny_target, tiny
     assert second["prompt_ids"] == tiny_tokenizer.encode(S.chat_prompt(tiny_tokenizer, expected, False))
     assert r["metrics"]["num_prompts"] == 2 and r["metrics"]["num_generations"] == 3 and r["metrics"]["lossless"] == 1
     assert (tmp_path / "benchmarks.md").read_text().startswith("| suite | τ (T=0) |")
+    with pytest.raises(FileNotFoundError, match="no suite could be loaded"):
+        run_benchmarks(target, drafter, tiny_tokenizer, tmp_path, suites=[f"jsonl:{tmp_path}/absent.jsonl"])

@@ -169,8 +169,17 @@ def run_benchmarks(
     data = read_json(path) or {}
     data.update({"info": info or {}, "versions": package_versions()})
     results = data.setdefault("results", {})
-    loaded = {name: suite_prompts(name, cache_dir, max_samples, sample_seed) for name in suites}
-    jobs = [(s, float(t)) for s in suites for t in temperatures]
+    loaded, missing = {}, {}
+    for name in suites:  # a suite without data (offline, no local copy) is skipped, the others run
+        try:
+            loaded[name] = suite_prompts(name, cache_dir, max_samples, sample_seed)
+        except FileNotFoundError as e:
+            log.warning("bench: suite %s skipped: %s", name, e)
+            missing[name] = str(e)
+    if not loaded:
+        raise FileNotFoundError(f"no suite could be loaded: {'; '.join(missing.values())}")
+    data["missing"] = missing
+    jobs = [(s, float(t)) for s in loaded for t in temperatures]
     total = sum(len(loaded[s][0]) for s, _ in jobs)
     t0 = time.perf_counter()
     with display().phase("bench", total) as phase:

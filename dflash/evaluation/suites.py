@@ -143,9 +143,18 @@ SUITES: dict[str, Suite] = {
 
 def _jsonl_suite(path: str) -> Suite:
     def rows() -> list[dict]:
-        from dflash.jsonio import iter_jsonl
-
-        return list(iter_jsonl(path))
+        """Strict: a missing file, a bad line or no prompts at all is the user's to fix, not to skip."""
+        out = []
+        with Path(path).expanduser().open(encoding="utf-8") as f:  # FileNotFoundError names the path
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        out.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+        if not out:
+            raise FileNotFoundError(f"{path}: no prompts")
+        return out
 
     def turns(row: dict) -> list[str]:
         return list(row["turns"]) if "turns" in row else [row["prompt"]]
