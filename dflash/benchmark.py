@@ -36,6 +36,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     ap.add_argument("--out", help="output directory (default: the run directory, else the current directory)")
+    ap.add_argument(
+        "--replay",
+        action="store_true",
+        help="decode benchmarks.json's recorded temperature-0 prompts again; exit 1 if any acceptance sequence differs",
+    )
     return ap.parse_args(argv)
 
 
@@ -80,8 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         model, drafter, tokenizer, target, run_cfg = _load(args)
-        cache_dir = args.cache_dir or (OmegaConf.select(run_cfg, "paths.cache_dir") if run_cfg is not None else None)
         out = Path(args.out or (args.path if run_cfg is not None else "."))
+        if args.replay:
+            return _replay(model, drafter, out)
+        cache_dir = args.cache_dir or (OmegaConf.select(run_cfg, "paths.cache_dir") if run_cfg is not None else None)
         data = run_benchmarks(
             model,
             drafter,
@@ -107,6 +114,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, why in data["missing"].items():
         print(f"skipped {name}: {why}", file=sys.stderr)
     return 0
+
+
+def _replay(model, drafter, out: Path) -> int:
+    from dflash.evaluation.benchmark import BENCH_FILE, replay
+    from dflash.jsonio import read_json
+
+    data = read_json(out / BENCH_FILE)
+    if not data or not data.get("results"):
+        raise FileNotFoundError(f"{out / BENCH_FILE}: no recorded results to replay")
+    differ = 0
+    for key, r in data["results"].items():
+        if r["settings"]["temperature"] > 0:
+            print(f"{key}: not replayed (sampled at temperature {r['settings']['temperature']:g})")
+            continue
+        got = replay(model, drafter, data, key)
+        same = sum(g == rec["accept_lengths"] for g, rec in zip(got, r["generations"]))
+        differ += len(got) - same
+        print(f"{key}: {same}/{len(got)} generations give the recorded acceptance lengths")
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":

@@ -158,6 +158,9 @@ def test_benchmark_packaged_suites_on_a_trained_drafter(tmp_path, cache_dir, tin
     for key in ("humaneval@T0", "sharegpt@T0"):
         recorded = [g["accept_lengths"] for g in data["results"][key]["generations"]]
         assert runner.replay(model, drafter.eval(), data, key) == recorded
+    capsys.readouterr()
+    assert benchmark.main([str(run_dir), "--replay"]) == 0
+    assert "sharegpt@T0: 4/4 generations give the recorded acceptance lengths" in capsys.readouterr().out
 
     # resume: results with the same settings are kept, not decoded again
     calls = []
