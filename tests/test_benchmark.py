@@ -180,11 +180,12 @@ def test_thinking_setting_reaches_the_chat_template(tiny_tokenizer):
     assert on.endswith("<|im_start|>assistant\n") and S.chat_prompt(tok, msgs, None) == on
 
 
-def test_multi_turn_runs_turn_by_turn_with_the_targets_answers(tiny_target, tiny_tokenizer, tmp_path):
+@pytest.fixture(scope="module")
+def target_and_drafter(tiny_target, tiny_tokenizer):
+    """The tiny random target and an untrained drafter on it (in process: cheap)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from dflash.evaluation.benchmark import run_benchmarks
     from dflash.model.build import init_drafter
 
     target = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
@@ -195,7 +196,28 @@ def test_multi_turn_runs_turn_by_turn_with_the_targets_answers(tiny_target, tiny
     )  # fmt: skip
     cfg.dflash_config = {"mask_token_id": tiny_tokenizer.mask_token_id, "target_layer_ids": [0, 1], "block_size": 4}
     cfg.block_size, cfg.num_target_layers = 4, tc.num_hidden_layers
-    drafter = init_drafter(cfg, 0, torch.device("cpu"), torch.float32).eval()
+    return target, init_drafter(cfg, 0, torch.device("cpu"), torch.float32).eval()
+
+
+def test_every_zlab_suite_runs_from_local_copies(target_and_drafter, tiny_tokenizer, tmp_path):
+    from dflash.evaluation.benchmark import run_benchmarks
+
+    target, drafter = target_and_drafter
+    data = run_benchmarks(
+        target, drafter, tiny_tokenizer, tmp_path, suites=list(FIRST), max_samples=2, max_new_tokens=3,
+        cache_dir=LOCAL.parent,
+    )  # fmt: skip
+    for suite in FIRST:
+        m = data["results"][f"{suite}@T0"]["metrics"]
+        assert m["num_prompts"] == 2 and m["num_generations"] == 2 * len(FIRST[suite]) and m["lossless"] == 1.0
+    table = (tmp_path / "benchmarks.md").read_text().splitlines()
+    assert [row.split(" | ")[0].strip("| ") for row in table[2:]] == list(FIRST)
+
+
+def test_multi_turn_runs_turn_by_turn_with_the_targets_answers(target_and_drafter, tiny_tokenizer, tmp_path):
+    from dflash.evaluation.benchmark import run_benchmarks
+
+    target, drafter = target_and_drafter
     suite = tmp_path / "two.jsonl"
     suite.write_text(json.dumps({"turns": ["def f(x):", "and g?"]}) + "\n" + json.dumps({"prompt": "import os"}) + "\n")
     data = run_benchmarks(
