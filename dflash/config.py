@@ -186,6 +186,10 @@ class EvalConfig:
     # chooses the held-out prompts and seeds sampling; apart from train.seed so that runs of different training
     # seeds are measured on the same prompts (a seed's tau then differs by training, not by test set)
     seed: int = 0
+    # benchmark suites run after the final eval (python -m dflash.benchmark's, e.g. [humaneval, sharegpt]) at
+    # eval.temperature and eval.max_new_tokens; results in benchmarks.json and the bench/<suite>/* metrics
+    suites: list[str] = field(default_factory=list)
+    suite_max_samples: int | None = None  # rows per suite, sampled as z-lab samples (null = all)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dflash.disk import check_free
 from dflash.job import Job
 from dflash.machine import cpu_features, cpu_model
 from dflash.model.export import export_drafter
-from dflash.rundir import RunDir
+from dflash.rundir import RunDir, bench_metrics
 from dflash.tracking.report import write_report
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,8 @@ def finish(cfg: DictConfig, job: Job, run: RunDir, status: str, summary: dict, t
         export_drafter(final, run.drafter, target=cfg.model.target)
         if status == "completed":
             status, reason = _final_eval(job, final, summary)
+        if status == "completed" and cfg.eval.get("suites"):
+            status, reason = _benchmarks(cfg, job, final, run, summary)
         summary.update(
             {
                 "step": job.trainer.step,
@@ -72,6 +74,39 @@ def _final_eval(job: Job, drafter, summary: dict) -> tuple[str, str | None]:
         return "interrupted", (
             "stopped by signal after training; not done: the final eval (python -m dflash.evaluate RUN_DIR runs it)"
         )
+    return "completed", None
+
+
+def _benchmarks(cfg: DictConfig, job: Job, drafter, run: RunDir, summary: dict) -> tuple[str, str | None]:
+    """eval.suites after the final eval: benchmarks.json and benchmarks.md in the run directory, the bench/*
+    metrics in the summary. A stop leaves the run `interrupted` (python -m dflash.benchmark RUN_DIR resumes the
+    suites not done); a suite whose data cannot be found costs a warning."""
+    from dflash.evaluation.benchmark import run_benchmarks
+    from dflash.evaluation.evaluator import on_device_of
+    from dflash.train.parallelize import frozen_copy
+
+    ev = job.evaluator
+    try:
+        data = run_benchmarks(
+            ev.target.model,
+            on_device_of(frozen_copy(drafter), ev.target.model),
+            ev.tokenizer,
+            run.path,
+            suites=list(cfg.eval.suites),
+            temperatures=[cfg.eval.temperature],
+            max_samples=cfg.eval.suite_max_samples,
+            max_new_tokens=cfg.eval.max_new_tokens,
+            ngram=cfg.eval.prompt_lookup_ngram,
+            seed=cfg.eval.seed,
+            cache_dir=cfg.paths.cache_dir,
+            info={"drafter": str(run.drafter), "target": str(cfg.model.target), "step": job.trainer.step},
+        )
+    except interrupts.Interrupted:
+        return "interrupted", "stopped by signal during the benchmarks (python -m dflash.benchmark RUN_DIR resumes)"
+    except FileNotFoundError as e:
+        log.warning("benchmarks not run: %s", e)
+        return "completed", None
+    summary.update(bench_metrics(data))
     return "completed", None
 
 

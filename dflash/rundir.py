@@ -53,6 +53,7 @@ STATUS_FILE = "status.json"
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.json"
 SUMMARY_FILE = "summary.json"
+BENCH_FILE = "benchmarks.json"  # python -m dflash.benchmark: per suite and temperature
 CHECKPOINTS_DIR = "checkpoints"
 DRAFTER_DIR = "drafter"
 TARGET_RANK_FILE = "target_rank{rank}.json"  # parallel.target_ranks: each target process's link totals
@@ -337,7 +338,24 @@ def _final_metrics(path: Path) -> dict[str, Any]:
     summary = read_json(path / SUMMARY_FILE)
     if isinstance(summary, dict):
         metrics.update(summary)
+    bench = read_json(path / BENCH_FILE)
+    if isinstance(bench, dict):
+        metrics.update(bench_metrics(bench))
     return metrics
+
+
+BENCH_COLUMNS = ("tau", "tau_pooled", "speedup", "tau_lookup", "lossless", "num_prompts")
+
+
+def bench_metrics(data: dict) -> dict[str, float]:
+    """benchmarks.json as compare columns: `bench/<suite>/<metric>` at temperature 0 (the published number),
+    `bench/<suite>/T<t>/<metric>` at other temperatures."""
+    out: dict[str, float] = {}
+    for r in (data.get("results") or {}).values():
+        s, t = r["settings"]["suite"], float(r["settings"]["temperature"])
+        prefix = f"bench/{s}" if t == 0 else f"bench/{s}/T{t:g}"
+        out.update({f"{prefix}/{k}": r["metrics"][k] for k in BENCH_COLUMNS if k in r["metrics"]})
+    return out
 
 
 def load_run(path: str | os.PathLike) -> Run:

@@ -14,6 +14,7 @@ ENTRY_POINTS = {
     "dflash.evaluate",
     "dflash.export",
     "dflash.bench",
+    "dflash.benchmark",
     "dflash.report",
     "dflash.regenerate",
     "dflash.features",

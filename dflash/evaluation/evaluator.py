@@ -208,6 +208,7 @@ def _details(prompts, dflash, target_only, lookup, untrained, tokenizer, setting
             "accept_lengths": d.accept_lengths,
             "decode_time_s": d.decode_time_s,
             "target_only_decode_time_s": t.decode_time_s,
+            "target_only_decode_tokens": t.decode_tokens,
             "matches_target_only": d.tokens == t.tokens,
         }
         if lookup is not None:

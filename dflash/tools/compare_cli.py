@@ -287,6 +287,9 @@ def run_cli(args: argparse.Namespace) -> str:
     check_keys([k for k, _ in sort], runs, "--sort")
     if list(args.metrics) != list(DEFAULT_METRICS):  # the defaults may be missing (e.g. runs without eval)
         check_keys(args.metrics, runs, "--metrics")
+    else:  # runs with benchmarks.json: their tau per suite (temperature 0) as columns too
+        bench = {k: None for r in runs for k in r.metrics if k.startswith("bench/") and k.count("/") == 2}
+        args.metrics = [*DEFAULT_METRICS, *(k for k in bench if k.endswith("/tau"))]
     if args.plot and not args.group_by:
         path = plot_runs(runs, args.plot_metric, args.plot, args.plot_x, args.ignore)
         log.info("wrote %s", path)
