@@ -90,9 +90,8 @@ def build_job(
     # ranks compute its features); a 27B target must not share a GPU with the drafter's optimizer
     # features=store: the target runs nowhere but in the evals (rank 0)
     store_mode = cfg.features.name == "store"
-    lean = (bool(world.target_ranks) and not world.is_main) or (
-        store_mode and not (world.is_main and cfg.eval.num_prompts)
-    )
+    evals_here = world.is_main and bool(cfg.eval.num_prompts or cfg.eval.get("suites"))
+    lean = (bool(world.target_ranks) and not world.is_main) or (store_mode and not evals_here)
     loaded = target_and_data(cfg, world, files, [] if lean else places)
     target, fingerprint = loaded.target, loaded.fingerprint
     store = None
