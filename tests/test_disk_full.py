@@ -152,3 +152,35 @@ def test_a_run_on_a_disk_that_fills_up_ends_truthfully_and_resumes(tmp_path, cac
         assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
         a, b = final_weights(ref), final_weights(run_dir)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_failed_export_or_store_shard_leaves_nothing_half_written(tmp_path, monkeypatch):
+    """The export and a feature-store shard are written to *.tmp and renamed: a full disk mid-write removes the
+    *.tmp, keeps what was there, and lists no shard that is not whole."""
+    from dflash.model import export
+    from dflash.train import feature_store
+
+    def full(*args, **kwargs):
+        Path(args[2] if len(args) > 2 else args[1]).mkdir(parents=True, exist_ok=True)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    out = tmp_path / "drafter"
+    out.mkdir()
+    (out / "keep.txt").write_text("the previous export")
+    monkeypatch.setattr(export, "_write", full)
+    with pytest.raises(OSError, match="No space left"):
+        export.export_drafter(make_drafter(), out)
+    assert (out / "keep.txt").exists() and not (tmp_path / "drafter.tmp").exists()
+
+    writer = feature_store.StoreWriter(tmp_path / "store", {"features.dtype": "float32"}, shard_batches=1)
+
+    def no_room(tensors, path):
+        Path(path).write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("safetensors.torch.save_file", no_room)
+    batch = type("B", (), {"input_ids": torch.zeros(1, 4, dtype=torch.long), "loss_mask": torch.ones(1, 4).bool()})
+    batch.lengths, batch.data_pass, batch.index = None, 0, 0
+    with pytest.raises(OSError, match="No space left"):
+        writer.add(batch, torch.zeros(1, 4, 8), torch.zeros(1, 4, 4))
+    assert not list((tmp_path / "store").glob("*.tmp")) and writer.done == 0
