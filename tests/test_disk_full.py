@@ -184,3 +184,23 @@ def test_a_failed_export_or_store_shard_leaves_nothing_half_written(tmp_path, mo
     with pytest.raises(OSError, match="No space left"):
         writer.add(batch, torch.zeros(1, 4, 8), torch.zeros(1, 4, 4))
     assert not list((tmp_path / "store").glob("*.tmp")) and writer.done == 0
+
+
+def test_regeneration_and_the_datasets_cache_check_the_disk_first(tmp_path, monkeypatch, tiny_target, tiny_tokenizer):
+    """Both large writes of the data side stop before they start when the disk lacks the room, naming it."""
+    from test_data import _data_cfg, _load
+
+    from dflash import disk
+    from dflash.tools.regenerate import regenerate_file
+
+    chats = tmp_path / "chats.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]} for i in range(8)
+    ]
+    chats.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(disk, "free_bytes", lambda path: MARGIN_BYTES)  # room for nothing
+    with pytest.raises(DiskFull, match="not enough disk for the regenerated data"):
+        regenerate_file(chats, tmp_path / "out" / "regen.jsonl", backend=None, chunk_size=4)
+    assert not (tmp_path / "out" / "regen.jsonl").exists()
+    with pytest.raises(DiskFull, match="not enough disk for the datasets cache of data.path"):
+        _load(_data_cfg(chats), tiny_tokenizer, tiny_target, tmp_path / "cache")

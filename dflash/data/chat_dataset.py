@@ -21,6 +21,7 @@ import numpy as np
 from dflash.data.chat import BadRecordError, end_of_turn_marker, parse_line, render_record
 from dflash.data.corpus import jsonl_files
 from dflash.data.records import iter_raw_records, read_error_reason
+from dflash.disk import check_free
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,9 @@ def _rendered_table(data_cfg, tokenizer, key: str, template_kwargs: dict, cache_
         cache_dir=where,
         fingerprint=f"dflash-lines-{key}",
     )
+    rendered = list(Path(where).rglob(f"cache-dflash-rendered-{key}*.arrow"))
+    if not rendered:  # the rendered table: token ids and masks, a few times the records' bytes
+        check_free(Path(where), 4 * sum(Path(f).stat().st_size for f in files), "the datasets cache of data.path")
     procs = data_cfg.get("num_proc") or min(8, os.cpu_count() or 1)
     procs = max(1, min(procs, len(lines) // _MIN_RECORDS_PER_PROC))
     eot = end_of_turn_marker(tokenizer, **template_kwargs) if tokenizer.chat_template else ""

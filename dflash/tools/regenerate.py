@@ -26,6 +26,7 @@ from pathlib import Path
 from dflash.data.chat import first_user, parse_line, record_messages
 from dflash.data.corpus import BadRecordError
 from dflash.data.records import iter_raw_records, read_error_reason
+from dflash.disk import check_free
 
 log = logging.getLogger("dflash.regenerate")
 
@@ -140,6 +141,9 @@ def regenerate_file(in_path: Path, out: Path, backend, chunk_size: int) -> Outco
     completed, t0 = 0, time.monotonic()
     log.info("%s: %d records, %d already in %s, %d to do", in_path, len(inputs), len(done), out, len(todo))
     out.parent.mkdir(parents=True, exist_ok=True)
+    # about the input's size again for what is left (the answers replace answers of a similar length)
+    share = len(todo) / max(len(inputs), 1)
+    check_free(out.parent, int(Path(in_path).stat().st_size * share), "the regenerated data")
     with open(out, "ab") as sink, display().phase("regenerate", len(todo)) as phase:
         for start in range(0, len(todo), chunk_size):
             chunk = todo[start : start + chunk_size]
