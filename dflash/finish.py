@@ -17,6 +17,7 @@ from dflash.job import Job
 from dflash.machine import cpu_features, cpu_model
 from dflash.model.export import export_drafter
 from dflash.rundir import RunDir, bench_metrics
+from dflash.tracking import CallbackList
 from dflash.tracking.report import write_report
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,11 @@ class TrainResult:
     reason: str | None = None
 
 
-def finish(cfg: DictConfig, job: Job, run: RunDir, status: str, summary: dict, t_start: float) -> TrainResult:
-    """`status` is how training ended; a stop during the final eval makes a completed run `interrupted`."""
+def finish(
+    cfg: DictConfig, job: Job, run: RunDir, status: str, summary: dict, t_start: float, callbacks: CallbackList
+) -> TrainResult:
+    """`status` is how training ended; a stop during the final eval makes a completed run `interrupted`.
+    `callbacks` get the benchmarks' results (the final eval reaches them through the evaluator)."""
     reason = "stopped by signal" if status == "interrupted" else None
     summary.update(job.trainer.summary_metrics())  # not the last monitor window: that depends on timing
     final = job.gather_drafter()  # a collective under fsdp; the whole drafter on rank 0
@@ -45,7 +49,7 @@ def finish(cfg: DictConfig, job: Job, run: RunDir, status: str, summary: dict, t
         if status == "completed":
             status, reason = _final_eval(job, final, summary)
         if status == "completed" and cfg.eval.get("suites"):
-            status, reason = _benchmarks(cfg, job, final, run, summary)
+            status, reason = _benchmarks(cfg, job, final, run, summary, callbacks)
         summary.update(
             {
                 "step": job.trainer.step,
@@ -77,7 +81,9 @@ def _final_eval(job: Job, drafter, summary: dict) -> tuple[str, str | None]:
     return "completed", None
 
 
-def _benchmarks(cfg: DictConfig, job: Job, drafter, run: RunDir, summary: dict) -> tuple[str, str | None]:
+def _benchmarks(
+    cfg: DictConfig, job: Job, drafter, run: RunDir, summary: dict, callbacks: CallbackList
+) -> tuple[str, str | None]:
     """eval.suites after the final eval: benchmarks.json and benchmarks.md in the run directory, the bench/*
     metrics in the summary. A stop leaves the run `interrupted` (python -m dflash.benchmark RUN_DIR resumes the
     suites not done); a suite whose data cannot be found costs a warning."""
@@ -107,6 +113,7 @@ def _benchmarks(cfg: DictConfig, job: Job, drafter, run: RunDir, summary: dict) 
         log.warning("benchmarks not run: %s", e)
         return "completed", None
     summary.update(bench_metrics(data))
+    callbacks.on_benchmarks(job.trainer.step, data)
     return "completed", None
 
 

@@ -52,7 +52,7 @@ def train(
     summary: dict = {}
     try:
         status = run_pipeline(cfg, job, stop, _ticker(job, callbacks, summary, t_start))
-        result = finish(cfg, job, run, status, summary, t_start)
+        result = finish(cfg, job, run, status, summary, t_start, callbacks)
     except BaseException:
         callbacks.on_run_end("failed", summary)  # every sink ends exactly once
         raise

@@ -347,12 +347,18 @@ def _final_metrics(path: Path) -> dict[str, Any]:
 BENCH_COLUMNS = ("tau", "tau_pooled", "speedup", "tau_lookup", "lossless", "num_prompts")
 
 
+def bench_column_name(suite: str) -> str:
+    """A suite's name in metric names: `jsonl:PATH` becomes `jsonl:<file stem>` (a path's slashes would split
+    the name into W&B sections and compare's columns)."""
+    return f"jsonl:{Path(suite.removeprefix('jsonl:')).stem}" if suite.startswith("jsonl:") else suite
+
+
 def bench_metrics(data: dict) -> dict[str, float]:
     """benchmarks.json as compare columns: `bench/<suite>/<metric>` at temperature 0 (the published number),
     `bench/<suite>/T<t>/<metric>` at other temperatures."""
     out: dict[str, float] = {}
     for r in (data.get("results") or {}).values():
-        s, t = r["settings"]["suite"], float(r["settings"]["temperature"])
+        s, t = bench_column_name(r["settings"]["suite"]), float(r["settings"]["temperature"])
         prefix = f"bench/{s}" if t == 0 else f"bench/{s}/T{t:g}"
         out.update({f"{prefix}/{k}": r["metrics"][k] for k in BENCH_COLUMNS if k in r["metrics"]})
     return out

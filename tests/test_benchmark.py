@@ -119,6 +119,32 @@ def test_tau_is_zlabs_mean_of_means_and_pooled_is_tokens_per_cycle():
     assert "| gsm8k | 2.50 | 2.00× | 2 |" in table
 
 
+def test_bench_columns_and_wandb_rows_name_a_jsonl_suite_by_its_file():
+    """A jsonl:PATH suite's metric names hold no path (its slashes would split W&B sections and compare's
+    columns); the W&B table gets a row per suite and temperature, with the benchmark columns."""
+    from dflash.rundir import BENCH_COLUMNS, bench_metrics
+    from dflash.tracking.wandb_media import BENCH_TABLE_COLUMNS, bench_rows
+
+    results = {
+        "jsonl:/data/my prompts/chat.jsonl@T0": {
+            "settings": {"suite": "jsonl:/data/my prompts/chat.jsonl", "temperature": 0.0},
+            "metrics": {"tau": 2.5, "speedup": 1.5, "num_prompts": 3.0, "tok_s": 9.0},
+        },
+        "gsm8k@T1": {"settings": {"suite": "gsm8k", "temperature": 1.0}, "metrics": {"tau": 2.0}},
+    }
+    cols = bench_metrics({"results": results})
+    assert cols == {
+        "bench/jsonl:chat/tau": 2.5,
+        "bench/jsonl:chat/speedup": 1.5,
+        "bench/jsonl:chat/num_prompts": 3.0,
+        "bench/gsm8k/T1/tau": 2.0,
+    }
+    rows = bench_rows({"results": results})
+    assert BENCH_TABLE_COLUMNS == ("suite", "temperature", *BENCH_COLUMNS)
+    assert rows[0][:4] == ["jsonl:/data/my prompts/chat.jsonl", 0.0, 2.5, None]
+    assert rows[1][:3] == ["gsm8k", 1.0, 2.0] and all(len(r) == len(BENCH_TABLE_COLUMNS) for r in rows)
+
+
 @pytest.mark.slow
 def test_benchmark_packaged_suites_on_a_trained_drafter(tmp_path, cache_dir, tiny_target, monkeypatch, capsys):
     from transformers import AutoModelForCausalLM

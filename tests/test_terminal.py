@@ -104,8 +104,9 @@ def test_summary_train_metrics_do_not_depend_on_timing(tmp_path, cache_dir, tiny
     (the mean over the last logging.summary_window_steps steps, not the last monitor window)."""
     common = ["experiment=smoke", "train.max_steps=12", "logging.summary_window_steps=5"]
     a, b = tmp_path / "offline", tmp_path / "disabled"
+    bench = ["eval.suites=[humaneval]", "eval.suite_max_samples=1", "eval.max_new_tokens=8"]
     launch(
-        [*common, "logging=wandb", "logging.wandb.mode=offline", f"hydra.run.dir={a}"],
+        [*common, *bench, "logging=wandb", "logging.wandb.mode=offline", f"hydra.run.dir={a}"],
         cache_dir,
         check=True,
         env={"WANDB_MODE": "offline"},
@@ -128,6 +129,13 @@ def test_summary_train_metrics_do_not_depend_on_timing(tmp_path, cache_dir, tiny
         assert any(n.startswith(chart) for n in names), (chart, names)
     samples = json.loads(next(media.glob("samples_*.table.json")).read_text())
     assert samples["columns"] == ["prompt", "output", "accept_lengths", "tau"] and len(samples["data"]) == 2
+    # and the benchmark suites' table and chart (eval.suites)
+    bench_media = media.parent / "bench"
+    table = json.loads(next(bench_media.glob("table_*.table.json")).read_text())
+    assert table["columns"][:3] == ["suite", "temperature", "tau"]
+    assert [row[:2] for row in table["data"]] == [["humaneval", 0.0]]
+    assert table["data"][0][2] == pytest.approx(sa["bench/humaneval/tau"])
+    assert any(p.name.startswith("tau_by_suite") for p in bench_media.glob("*.table.json"))
 
 
 def test_report_draws_every_panel(tmp_path, cache_dir, tiny_target):
@@ -141,6 +149,9 @@ def test_report_draws_every_panel(tmp_path, cache_dir, tiny_target):
             "train.max_steps=8",
             "eval.every_steps=4",
             "logging.report=true",
+            "eval.suites=[humaneval]",  # the benchmarks panel
+            "eval.suite_max_samples=1",
+            "eval.max_new_tokens=8",
             f"hydra.run.dir={run_dir}",
         ],
         cache_dir,

@@ -67,6 +67,9 @@ class Callback:
         """The final eval in full: its flat metrics and eval.json's `details` (settings, per-prompt texts and
         acceptance lengths), for sinks that draw charts and tables of it."""
 
+    def on_benchmarks(self, step: int, data: dict) -> None:
+        """The benchmark suites run at the end of training (eval.suites): benchmarks.json's content."""
+
     def on_run_end(self, status: str, summary: dict) -> None:
         pass
 
@@ -110,6 +113,10 @@ class CallbackList(Callback):
     def on_final_eval(self, step: int, metrics: dict, details: dict) -> None:
         for cb in self.callbacks:
             cb.on_final_eval(step, metrics, details)
+
+    def on_benchmarks(self, step: int, data: dict) -> None:
+        for cb in self.callbacks:
+            cb.on_benchmarks(step, data)
 
     def on_run_end(self, status: str, summary: dict) -> None:
         if status not in END_STATUSES:

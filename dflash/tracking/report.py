@@ -3,7 +3,8 @@ several side by side, from the run directories alone (matplotlib; W&B not needed
 
 Panels: training loss on a log scale (total, CE and KL); eval/tau over steps with the prompt-lookup and
 untrained baselines as lines; the final eval's acceptance-length histogram; its per-position acceptance;
-throughput over time; queue depths over time. `.html` embeds the picture and a table of each run's summary.
+throughput over time; queue depths over time; tau per benchmark suite (benchmarks.json, temperature 0) with
+prompt lookup's on the same prompts as a marker. `.html` embeds the picture and a table of each run's summary.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ PANELS = (
     "Final eval: acceptance by draft position",
     "Throughput",
     "Queue depths",
+    "Benchmarks: tau per suite (T=0)",
 )
 SUMMARY_KEYS = (
     "eval/tau",
@@ -60,6 +62,30 @@ def _final_eval_bars(ax, runs: Sequence[Run], prefix: str, xlabel: str, ylabel: 
     ax.set_ylabel(ylabel)
 
 
+def _bench_bars(ax, runs: Sequence[Run]) -> None:
+    """A bar per run and suite (bench/<suite>/tau, greedy), prompt lookup's tau as a black tick on each."""
+    suites = sorted(
+        {k.split("/")[1] for run in runs for k in run.metrics if k.startswith("bench/") and k.count("/") == 2}
+    )
+    suites = [s for s in suites if any(is_number(r.metrics.get(f"bench/{s}/tau")) for r in runs)]
+    width = 0.8 / max(1, len(runs))
+    for i, run in enumerate(runs):
+        xs, taus, lookups = [], [], []
+        for j, suite in enumerate(suites):
+            t = run.metrics.get(f"bench/{suite}/tau")
+            if is_number(t):
+                xs.append(j + (i - (len(runs) - 1) / 2) * width)
+                taus.append(t)
+                lookups.append(run.metrics.get(f"bench/{suite}/tau_lookup"))
+        if xs:
+            ax.bar(xs, taus, width=width, color=f"C{i}", label=_label(run, runs))
+            pts = [(x, v) for x, v in zip(xs, lookups) if is_number(v)]
+            if pts:
+                ax.plot(*zip(*pts), "k_", markersize=14, label=f"{_label(run, runs)} prompt lookup")
+    ax.set_xticks(range(len(suites)), suites)
+    ax.set_ylabel("tau (z-lab's mean over prompts)")
+
+
 def figure(runs: Sequence[Run]):
     """The report's matplotlib Figure for these runs (one colour per run)."""
     import matplotlib
@@ -67,9 +93,11 @@ def figure(runs: Sequence[Run]):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(17, 9), constrained_layout=True)
-    loss, tau, hist, pos, speed, queues = axes.flat
-    for ax, title in zip(axes.flat, PANELS):
+    fig, grid = plt.subplots(2, 4, figsize=(22, 9), constrained_layout=True)
+    fig.delaxes(grid.flat[-1])
+    axes = grid.flat[: len(PANELS)]
+    loss, tau, hist, pos, speed, queues, bench = axes
+    for ax, title in zip(axes, PANELS):
         ax.set_title(title)
     for i, run in enumerate(runs):
         colour, name = f"C{i}", _label(run, runs)
@@ -104,7 +132,8 @@ def figure(runs: Sequence[Run]):
     speed.set_ylabel("ktok/s")
     queues.set_xlabel("seconds")
     queues.set_ylabel("items")
-    for ax in axes.flat:
+    _bench_bars(bench, runs)
+    for ax in axes:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
         else:

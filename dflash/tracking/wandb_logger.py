@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from dflash.jsonio import to_python
 from dflash.secrets import redact
 from dflash.tracking.base import Callback, RunInfo
+from dflash.tracking.wandb_media import MEDIA, bench_rows, build_media
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +250,11 @@ class WandbCallback(Callback):
     def on_final_eval(self, step: int, metrics: dict, details: dict) -> None:
         """Charts and a table of the final eval: the acceptance-length histogram, per-position acceptance and
         the samples (prompt, output, acceptance lengths). Built on the worker thread like every record."""
-        self._enqueue({_MEDIA: {"step": step, "metrics": metrics, "details": details}})
+        self._enqueue({MEDIA: {"kind": "final_eval", "step": step, "metrics": metrics, "details": details}})
+
+    def on_benchmarks(self, step: int, data: dict) -> None:
+        """A table of the benchmark suites (a row per suite and temperature) and a bar chart of their tau."""
+        self._enqueue({MEDIA: {"kind": "benchmarks", "step": step, "rows": bench_rows(data)}})
 
     def on_run_end(self, status: str, summary: dict) -> None:
         """Flush, then finish the W&B run; every wait is bounded (an unreachable server must not hold the job:
@@ -335,7 +340,7 @@ class WandbCallback(Callback):
                 self._busy = True
             try:
                 if self.disabled_reason is None:
-                    self.run.log(_final_eval_media(item[_MEDIA]) if _MEDIA in item else item)
+                    self.run.log(build_media(item[MEDIA]) if MEDIA in item else item)
             except Exception as e:
                 self._disable(
                     f"run.log failed ({type(e).__name__}: {e}); W&B logging is off for the rest of "
@@ -372,39 +377,3 @@ class WandbCallback(Callback):
         if self.dropped:
             out["wandb/dropped_records"] = self.dropped
         return out
-
-
-_MEDIA = "__final_eval_media__"  # a queued record that the worker turns into W&B charts and a table
-
-
-def _final_eval_media(payload: dict) -> dict:
-    import wandb
-
-    metrics, details = payload["metrics"], payload["details"]
-    hist = sorted((int(k.rsplit("_", 1)[1]), v) for k, v in metrics.items() if k.startswith("eval/acc_hist_"))
-    pos = sorted((int(k.rsplit("_", 1)[1]), v) for k, v in metrics.items() if k.startswith("eval/acc_pos_"))
-    hist_table = wandb.Table(columns=["accepted tokens", "share of cycles"], data=[[k, v] for k, v in hist])
-    pos_table = wandb.Table(columns=["draft position", "acceptance"], data=[[k, v] for k, v in pos])
-    rows = details.get("prompts", [])
-    samples = wandb.Table(
-        columns=["prompt", "output", "accept_lengths", "tau"],
-        data=[
-            [
-                r.get("prompt_text", ""),
-                r.get("output_text", ""),
-                str(r.get("accept_lengths", [])),
-                sum(r.get("accept_lengths", [])) / max(1, len(r.get("accept_lengths", []))),
-            ]
-            for r in rows
-        ],
-    )
-    return {
-        "step": payload["step"],
-        "eval/accept_length_hist": wandb.plot.bar(
-            hist_table, "accepted tokens", "share of cycles", title="Acceptance length per verify cycle"
-        ),
-        "eval/accept_by_position": wandb.plot.bar(
-            pos_table, "draft position", "acceptance", title="Acceptance by draft position"
-        ),
-        "eval/samples": samples,
-    }
