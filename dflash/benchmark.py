@@ -15,6 +15,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 DEFAULT_SUITES = "gsm8k,math500,humaneval,mbpp,mt-bench"
 
 
@@ -36,6 +38,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     ap.add_argument("--out", help="output directory (default: the run directory, else the current directory)")
+    ap.add_argument(
+        "--wandb",
+        choices=("auto", "off"),
+        default="auto",
+        help="auto: a run that logged to W&B gets the results in its own W&B run (bench/table, bench/* summary)",
+    )
     ap.add_argument(
         "--replay",
         action="store_true",
@@ -109,11 +117,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if run_cfg is not None and args.wandb == "auto":
+        _log_to_wandb(run_cfg, Path(args.path), data)
     print((out / TABLE_FILE).read_text(), end="")
     print(f"wrote {out / 'benchmarks.json'} ({len(data['results'])} results) and {out / TABLE_FILE}")
     for name, why in data["missing"].items():
         print(f"skipped {name}: {why}", file=sys.stderr)
     return 0
+
+
+def _log_to_wandb(run_cfg, run_path: Path, data: dict) -> None:
+    """The benchmarks into the W&B run the training run logged to (resumed by the id its latest checkpoint
+    recorded): the bench/table table, the tau chart and the bench/* summary. Never fatal: W&B's own fallbacks
+    (offline, not installed, unreachable) apply, and the files are written already."""
+    from omegaconf import OmegaConf
+
+    from dflash.rundir import bench_metrics
+    from dflash.tracking import RunInfo, WandbCallback
+    from dflash.train.checkpoint import latest_checkpoint, read_meta
+
+    wandb_cfg = OmegaConf.select(run_cfg, "logging.wandb")
+    if wandb_cfg is None or wandb_cfg.mode == "disabled":
+        return
+    ckpt = latest_checkpoint(run_path)
+    meta = read_meta(ckpt) if ckpt is not None else {}
+    if not meta.get("wandb_run_id"):
+        log.info("W&B: the run recorded no W&B run id (no checkpoint); the benchmarks are in the files only")
+        return
+    callback = WandbCallback(wandb_cfg, run_path)
+    config = OmegaConf.to_container(run_cfg, resolve=False)
+    info = RunInfo(run_path, config, 0, run_path.name, wandb_run_id=meta["wandb_run_id"])
+    callback.on_run_start(info)
+    callback.on_benchmarks(int(meta.get("step", 0)), data)
+    callback.on_run_end("completed", bench_metrics(data))
 
 
 def _replay(model, drafter, out: Path) -> int:

@@ -137,6 +137,17 @@ def test_summary_train_metrics_do_not_depend_on_timing(tmp_path, cache_dir, tiny
     assert table["data"][0][2] == pytest.approx(sa["bench/humaneval/tau"])
     assert any(p.name.startswith("tau_by_suite") for p in bench_media.glob("*.table.json"))
 
+    # python -m dflash.benchmark on the run logs into the same W&B run (resumed by the checkpoint's run id)
+    env = {**os.environ, "WANDB_MODE": "offline", "DFLASH_CACHE_DIR": str(cache_dir)}
+    cmd = [sys.executable, "-m", "dflash.benchmark", str(a), "--suites", "humaneval", "--max-samples", "1"]
+    proc = subprocess.run([*cmd, "--max-new-tokens", "8"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = sorted((a / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and runs[0].name.split("-")[-1] == runs[1].name.split("-")[-1] == offline["run_id"]
+    again = read_offline_run(runs[1])
+    assert again["summary"]["bench/humaneval/tau"] == pytest.approx(sa["bench/humaneval/tau"])
+    assert list((runs[1] / "files" / "media" / "table" / "bench").glob("table_*.table.json"))
+
 
 def test_report_draws_every_panel(tmp_path, cache_dir, tiny_target):
     from dflash.rundir import load_run
