@@ -34,6 +34,7 @@ BENCHES = {
     "soak": "dflash.tools.bench.soak",
     "data": "dflash.tools.bench.data",
     "transport": "dflash.tools.bench.transport",
+    "sweep": "dflash.tools.bench.sweep",
 }
 
 
