@@ -53,6 +53,7 @@ DEFAULTS = {
 }
 REPO = Path(__file__).resolve().parents[3]
 STAGES = ("target pass", "drafter step", "store write", "store read")
+SWEEP_HEADER = "| pipeline | sweep | wall s | CPU s | wall / online | CPU / online |"
 
 
 def common_overrides(opts: dict) -> list[str]:
@@ -196,7 +197,7 @@ def report(opts: dict, stages: dict, sweeps: dict[str, dict]) -> list[str]:
     t, d = stages["target pass"][1], stages["drafter step"][1]
     lines.append(f"target share of one job's stage CPU: {t / (t + d):.2f}")
     lines.append("")
-    lines.append("| pipeline | sweep | wall s | CPU s | wall / online | CPU / online |")
+    lines.append(SWEEP_HEADER)
     lines.append("|---|---|---|---|---|---|")
     verdicts = []
     for mode, runs in sweeps.items():
