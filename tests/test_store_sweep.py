@@ -82,21 +82,46 @@ def test_the_sweep_bench_prints_a_whole_consistent_table():
         [sys.executable, "-m", "dflash.bench", "sweep", *args], cwd=REPO, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    check_sweep_output(proc.stdout)
+
+
+def check_sweep_output(out: str) -> None:
+    """`python -m dflash.bench sweep steps=2 jobs=2 modes=sync`'s output: whole, positive, adding up."""
     stages = _table(out, "| stage | wall s | CPU s | CPU ms per batch |")
     assert [r[0] for r in stages] == list(sweep.STAGES)
     assert all(float(v) > 0 for r in stages for v in r[1:])
     cost = {r[0]: float(r[2]) for r in stages}
     rows = {r[1]: [float(v) for v in r[2:]] for r in _table(out, sweep.SWEEP_HEADER)}
-    assert list(rows) == ["online", "store build", "store jobs", "store", "limit"]
+    assert list(rows) == [
+        "online",
+        "store build",
+        "store jobs",
+        "store",
+        "limit",
+        "online, 1 step(s)",
+        "store, 1 step(s)",
+    ]
     assert all(v > 0 for r in rows.values() for v in r)
-    for i in (0, 1):  # the store sweep is its build plus its jobs; each ratio is the row over the online row
-        assert rows["store"][i] == pytest.approx(rows["store build"][i] + rows["store jobs"][i], abs=0.11)
-        for r in rows.values():
-            assert r[2 + i] == pytest.approx(r[i] / rows["online"][i], abs=0.002 + 0.06 / rows["online"][i])
+    for i in (0, 1):  # the store sweep is its build plus its jobs; each ratio is the row over its online row
+        assert rows["store"][i] == pytest.approx(rows["store build"][i] + rows["store jobs"][i], abs=0.011)
+        for name, r in rows.items():
+            online = rows["online, 1 step(s)" if "step(s)" in name else "online"][i]
+            rounding = 0.002 + r[i] / online * (0.0051 / r[i] + 0.0051 / online)  # costs printed to 0.01 s
+            assert r[2 + i] == pytest.approx(r[i] / online, abs=rounding)
     limit = cost["target pass"] + cost["store write"] + 2 * (cost["drafter step"] + cost["store read"])
     assert rows["limit"][1] == pytest.approx(limit, abs=0.06)
     m = re.search(r"sync: store sweep CPU / limit = ([\d.]+) \(goal <= 1.10\): (PASS|MISS)", out)
     assert m, out
     assert float(m.group(1)) == pytest.approx(rows["store"][1] / rows["limit"][1], rel=0.05, abs=0.01)
     assert m.group(2) == ("PASS" if float(m.group(1)) <= 1.10 else "MISS")
+    # per step beyond 1: (store at 2 steps - store at 1 step) / 1 over the limit's per step (limit / 2)
+    m = re.search(
+        r"store sweep \(CPU at 2 - at 1 steps\) / 1 = (-?[\d.]+) CPU s, limit ([\d.]+): ratio (-?[\d.]+)", out
+    )
+    assert m, out
+    assert float(m.group(1)) == pytest.approx(rows["store"][1] - rows["store, 1 step(s)"][1], abs=0.011)
+    assert float(m.group(2)) == pytest.approx(rows["limit"][1] / 2, abs=0.03)
+    ratio = float(m.group(3))
+    assert ratio == pytest.approx(float(m.group(1)) / float(m.group(2)), rel=0.01, abs=0.002)
+    verdict = "n/a (below the noise" if ratio <= 0 else "PASS" if ratio <= 1.10 else "MISS"
+    assert f"(goal <= 1.10): {verdict}" in out

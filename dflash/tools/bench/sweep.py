@@ -49,6 +49,7 @@ DEFAULTS = {
     "threads": "1",
     "dtype": "float32",
     "goal": "0.10",
+    "base_steps": "1",
     "workdir": "",
 }
 REPO = Path(__file__).resolve().parents[3]
@@ -109,12 +110,13 @@ def completed_jobs(sweep_dir: Path) -> int:
     return done
 
 
-def run_sweeps(opts: dict, work: Path, mode: str, env: dict) -> dict[str, tuple[float, float]]:
-    """The online multirun, the store build and the store multirun of one pipeline mode: (wall, CPU) each."""
-    jobs = int(opts["jobs"])
-    common = [*common_overrides(opts), f"pipeline={mode}"]
+def run_sweeps(opts: dict, work: Path, mode: str, env: dict, steps: int) -> dict[str, tuple[float, float]]:
+    """The online multirun, the store build and the store multirun of one pipeline mode at `steps` steps per job:
+    (wall, CPU) each."""
+    jobs, tag = int(opts["jobs"]), f"{mode}_{steps}"
+    common = [*common_overrides({**opts, "steps": str(steps)}), f"pipeline={mode}"]
     launch = [sys.executable, str(REPO / "launch.py"), "-m", f"loss.kl_temperature={temperatures(jobs)}"]
-    store, online_dir, store_dir = work / f"store_{mode}", work / f"online_{mode}", work / f"store_{mode}_jobs"
+    store, online_dir, store_dir = work / f"store_{tag}", work / f"online_{tag}", work / f"store_{tag}_jobs"
     out = {"online": timed([*launch, *common, f"hydra.sweep.dir={online_dir}"], env)}
     features = ["features=store", f"features.path={store}"]
     out["store build"] = timed([sys.executable, "-m", "dflash.features", "build", *common, *features], env)
@@ -185,8 +187,9 @@ def limit(stages: dict, jobs: int) -> tuple[float, float]:
     return tuple(sum(stages[s][i] for s in once) + jobs * sum(stages[s][i] for s in per_job) for i in (0, 1))
 
 
-def report(opts: dict, stages: dict, sweeps: dict[str, dict]) -> list[str]:
-    """The printed table and verdicts (a test parses them)."""
+def report(opts: dict, stages: dict, sweeps: dict[str, dict], base: dict[str, dict] | None = None) -> list[str]:
+    """The printed tables and verdicts (a test parses them). `base`: each mode's sweeps at `base_steps` steps,
+    whose difference to `sweeps` is the cost per step without the fixed costs (start-up, loading, the data)."""
     jobs, steps, goal = int(opts["jobs"]), int(opts["steps"]), float(opts["goal"])
     lines = [f"stage costs over {steps} batches (this process, {opts['threads']} torch thread(s)):"]
     lines.append("| stage | wall s | CPU s | CPU ms per batch |")
@@ -204,9 +207,9 @@ def report(opts: dict, stages: dict, sweeps: dict[str, dict]) -> list[str]:
         rows = {**runs, "limit": limit(stages, jobs)}
         online = rows["online"]
         for name in ("online", "store build", "store jobs", "store", "limit"):
-            wall, cpu = rows[name]
-            ratios = f"{wall / online[0]:.3f} | {cpu / online[1]:.3f}"
-            lines.append(f"| {mode} | {name} | {wall:.1f} | {cpu:.1f} | {ratios} |")
+            lines.append(_row(mode, name, rows[name], online))
+        for name in ("online", "store") if base and mode in base else ():  # the same sweeps at base_steps
+            lines.append(_row(mode, f"{name}, {opts['base_steps']} step(s)", base[mode][name], base[mode]["online"]))
         (store_wall, store_cpu), (limit_wall, limit_cpu) = rows["store"], rows["limit"]
         ratio = store_cpu / limit_cpu
         verdict = "PASS" if ratio <= 1 + goal else "MISS"
@@ -214,7 +217,33 @@ def report(opts: dict, stages: dict, sweeps: dict[str, dict]) -> list[str]:
             f"{mode}: store sweep CPU / limit = {ratio:.3f} (goal <= {1 + goal:.2f}): {verdict}; "
             f"wall / limit = {store_wall / limit_wall:.3f}; beyond the limit: {store_cpu - limit_cpu:.1f} CPU s"
         )
+        if base and mode in base:
+            verdicts.append(marginal(opts, stages, runs, base[mode], mode))
     return [*lines, "", *verdicts]
+
+
+def _row(mode: str, name: str, cost: tuple[float, float], online: tuple[float, float]) -> str:
+    wall, cpu = cost
+    return f"| {mode} | {name} | {wall:.2f} | {cpu:.2f} | {wall / online[0]:.3f} | {cpu / online[1]:.3f} |"
+
+
+def marginal(opts: dict, stages: dict, runs: dict, small: dict, mode: str) -> str:
+    """The store sweep's CPU per step beyond `base_steps`, over the limit's per step: the fixed costs cancel."""
+    jobs, steps, base = (int(opts[k]) for k in ("jobs", "steps", "base_steps"))
+    goal = float(opts["goal"])
+    per_step = limit(stages, jobs)[1] / steps
+    online_per_step = jobs * (stages["target pass"][1] + stages["drafter step"][1]) / steps
+    store_per_step = (runs["store"][1] - small["store"][1]) / (steps - base)
+    ratio = store_per_step / per_step
+    # a difference at or below zero is noise larger than the steps' cost (a loaded machine, too few steps)
+    verdict = "n/a (below the noise: raise steps)" if ratio <= 0 else "PASS" if ratio <= 1 + goal else "MISS"
+    fixed_store, fixed_online = small["store"][1] - base * per_step, small["online"][1] - base * online_per_step
+    return (
+        f"{mode}: per step, fixed costs removed: store sweep (CPU at {steps} - at {base} steps) / {steps - base} = "
+        f"{store_per_step:.3f} CPU s, limit {per_step:.3f}: ratio {ratio:.3f} (goal <= {1 + goal:.2f}): "
+        f"{verdict}; fixed costs (at {base} step(s), less its limit): "
+        f"store sweep {fixed_store:.1f} CPU s, online {fixed_online:.1f}"
+    )
 
 
 def bench(args: list[str]) -> None:
@@ -229,17 +258,24 @@ def bench(args: list[str]) -> None:
         work.mkdir(parents=True, exist_ok=True)
         cache = work / "cache"  # the bench's own target: built here once (by stage_costs), read by every run
         env = {**os.environ, "DFLASH_CACHE_DIR": str(cache), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+        env["OMP_NUM_THREADS"] = opts["threads"]  # the build and data too: no spinning threads on busy cores
         saved = os.environ.get("DFLASH_CACHE_DIR")
         os.environ["DFLASH_CACHE_DIR"] = str(cache)
         try:
             stages = stage_costs(opts, work)
         finally:
             os.environ.pop("DFLASH_CACHE_DIR") if saved is None else os.environ.update(DFLASH_CACHE_DIR=saved)
-        sweeps = {mode: run_sweeps(opts, work, mode, env) for mode in modes}
+        sweeps = {mode: run_sweeps(opts, work, mode, env, int(opts["steps"])) for mode in modes}
+        small = int(opts["base_steps"])  # 0: no second size
+        base = (
+            {mode: run_sweeps(opts, work, mode, env, small) for mode in modes}
+            if 0 < small < int(opts["steps"])
+            else None
+        )
     print(
         f"sweep bench: {opts['jobs']} jobs (loss.kl_temperature={temperatures(int(opts['jobs']))}) x {opts['steps']} "
         f"steps, random target hidden 256 x 6 layers, batch {opts['batch_size']} x {opts['seq_len']}, "
         f"{opts['num_anchors']} anchors, block {opts['block_size']}, {opts['threads']} torch thread(s) per stage, "
         f"store {opts['dtype']}, seed {opts['seed']}, {os.cpu_count()} cores"
     )
-    print("\n".join(report(opts, stages, sweeps)))
+    print("\n".join(report(opts, stages, sweeps, base)))
