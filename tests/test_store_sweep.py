@@ -64,6 +64,19 @@ def test_the_goal_verdict_follows_the_numbers():
         assert line.startswith(f"sync: store sweep CPU / limit = {store_cpu / limit:.3f} (goal <= 1.10): {verdict}")
 
 
+def test_the_checks_of_the_bench_output_hold_for_a_report_of_known_numbers():
+    """check_sweep_output (used on a real run below) against report() of numbers chosen here, both verdicts."""
+    opts = {**sweep.DEFAULTS, "jobs": "2", "steps": "2", "modes": "sync"}
+    stages = dict(zip(sweep.STAGES, ((0.15, 0.055), (0.232, 0.085), (0.007, 0.003), (0.01, 0.002))))
+    runs = {"online": (32.0, 12.43), "store build": (18.3, 7.31), "store jobs": (28.5, 11.02), "store": (46.8, 18.33)}
+    for small_store in (18.71, 18.0):  # below the noise (store at 1 step costs more), then a positive difference
+        small = {"online": (25.4, 10.11), "store": (48.2, small_store)}
+        check_sweep_output("\n".join(sweep.report(opts, stages, {"sync": runs}, {"sync": small})))
+    with pytest.raises(AssertionError, match="store build"):  # a store row that is not its build plus its jobs
+        wrong = {"sync": {**runs, "store": (46.8, 20.0)}}
+        check_sweep_output("\n".join(sweep.report(opts, stages, wrong, {"sync": small})))
+
+
 def _table(out: str, header: str) -> list[list[str]]:
     lines = out.splitlines()
     start = lines.index(header) + 2
@@ -103,7 +116,8 @@ def check_sweep_output(out: str) -> None:
     ]
     assert all(v > 0 for r in rows.values() for v in r)
     for i in (0, 1):  # the store sweep is its build plus its jobs; each ratio is the row over its online row
-        assert rows["store"][i] == pytest.approx(rows["store build"][i] + rows["store jobs"][i], abs=0.011)
+        whole = rows["store build"][i] + rows["store jobs"][i]
+        assert rows["store"][i] == pytest.approx(whole, abs=0.011), "store != store build + store jobs"
         for name, r in rows.items():
             online = rows["online, 1 step(s)" if "step(s)" in name else "online"][i]
             rounding = 0.002 + r[i] / online * (0.0051 / r[i] + 0.0051 / online)  # costs printed to 0.01 s
