@@ -90,7 +90,8 @@ def _table(out: str, header: str) -> list[list[str]]:
 
 @pytest.mark.slow
 def test_the_sweep_bench_prints_a_whole_consistent_table():
-    args = ["steps=2", "jobs=2", "modes=sync", "batch_size=2", "seq_len=64", "num_anchors=4"]
+    # base_steps=0: the second size's rows and line are checked on known numbers above; three processes, not six
+    args = ["steps=2", "jobs=2", "modes=sync", "batch_size=2", "seq_len=64", "num_anchors=4", "base_steps=0"]
     proc = subprocess.run(
         [sys.executable, "-m", "dflash.bench", "sweep", *args], cwd=REPO, capture_output=True, text=True, timeout=600
     )
@@ -105,15 +106,8 @@ def check_sweep_output(out: str) -> None:
     assert all(float(v) > 0 for r in stages for v in r[1:])
     cost = {r[0]: float(r[2]) for r in stages}
     rows = {r[1]: [float(v) for v in r[2:]] for r in _table(out, sweep.SWEEP_HEADER)}
-    assert list(rows) == [
-        "online",
-        "store build",
-        "store jobs",
-        "store",
-        "limit",
-        "online, 1 step(s)",
-        "store, 1 step(s)",
-    ]
+    measured = ["online", "store build", "store jobs", "store", "limit"]
+    assert list(rows) in (measured, [*measured, "online, 1 step(s)", "store, 1 step(s)"])
     assert all(v > 0 for r in rows.values() for v in r)
     for i in (0, 1):  # the store sweep is its build plus its jobs; each ratio is the row over its online row
         whole = rows["store build"][i] + rows["store jobs"][i]
@@ -128,6 +122,8 @@ def check_sweep_output(out: str) -> None:
     assert m, out
     assert float(m.group(1)) == pytest.approx(rows["store"][1] / rows["limit"][1], rel=0.05, abs=0.01)
     assert m.group(2) == ("PASS" if float(m.group(1)) <= 1.10 else "MISS")
+    if "store, 1 step(s)" not in rows:
+        return
     # per step beyond 1: (store at 2 steps - store at 1 step) / 1 over the limit's per step (limit / 2)
     m = re.search(
         r"store sweep \(CPU at 2 - at 1 steps\) / 1 = (-?[\d.]+) CPU s, limit ([\d.]+): ratio (-?[\d.]+)", out
