@@ -22,8 +22,8 @@ pipeline: pipeline=async against pipeline=sync on the same config with the real 
 sweep: a 4-job multirun over loss.kl_temperature online against from a feature store (its build counted), in
       both pipeline modes: wall time, CPU seconds of every process and their ratios, the stage costs timed in
       the same run and the store sweep's cost over its limit (one target pass + N drafter passes + the store's
-      I/O), PASS/MISS against the goal of 10%. Options: steps=30 jobs=4 seed=0 modes=sync,async ...; see
-      dflash/tools/bench/sweep.py.
+      I/O), PASS/MISS against the goal of 10%, also per step (fixed costs cancelled by a second size,
+      base_steps=1). Options: steps=30 jobs=4 seed=0 modes=sync,async ...; see dflash/tools/bench/sweep.py.
 """
 
 from __future__ import annotations

@@ -17,10 +17,13 @@ mapping, the items), each summed over `steps` batches. Their sum is the sweep's 
 
 and the bench prints the store sweep's cost over that limit and checks the goal, store CPU <= (1 + goal) x limit,
 as PASS or MISS. What the limit leaves out is what a job pays besides its steps: starting Python, imports,
-loading the target or its heads, the data, the final checkpoint. The share of those falls as `steps` grows.
+loading the target or its heads, the data, the final checkpoint. Their share falls as `steps` grows; to see the
+rest, the sweeps run again at `base_steps` steps per job, and the cost per step between the two sizes (the fixed
+costs cancel) is checked against the limit's per step the same way (n/a when noise makes it negative).
 
 Options: steps=30 jobs=4 seed=0 modes=sync,async batch_size=4 seq_len=256 num_anchors=16 block_size=8
-threads=1 dtype=float32 goal=0.10 workdir= (empty: a temporary directory, removed after; else kept there).
+threads=1 dtype=float32 goal=0.10 base_steps=1 (0: one size only) workdir= (empty: a temporary directory,
+removed after; else kept there).
 `threads` is `pipeline.threads_per_stage` of the runs (1: sync uses one core, async one per stage).
 """
 
@@ -177,7 +180,8 @@ def stage_costs(opts: dict, work: Path) -> dict[str, tuple[float, float]]:
             trainer.train_on(item)
     with clocks(costs, "store read"):
         read = sum(1 for _ in StoreReader(work / "probe", (0, 0), device))
-    assert read == len(batches), f"read {read} of {len(batches)} stored batches"
+    if read != len(batches):
+        raise RuntimeError(f"the probe store gave back {read} of {len(batches)} batches")
     return costs
 
 
