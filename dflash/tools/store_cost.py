@@ -14,8 +14,8 @@ FLOPs per training sequence of `seq_len` tokens with `anchors` blocks of `block`
             KL teacher's logits from the stored last hidden state (2)
 
 The drafter's shape is the one the framework builds for the target (`build_drafter_config` with the model preset's
-settings), its parameters counted on the meta device. The target's attention scores are left out (Qwen3.6-27B
-attends fully in one layer of four), which makes the target's share and the saving smaller, not larger.
+settings), its parameters counted on the meta device. The target's attention scores are left out, which makes
+the target's share and the saving smaller, not larger.
 """
 
 from __future__ import annotations
