@@ -19,6 +19,11 @@ transport: the target -> drafter feature transport between two processes (p2p) a
       see dflash/tools/bench/transport.py.
 pipeline: pipeline=async against pipeline=sync on the same config with the real stages; see
       dflash/tools/bench/pipeline.py for what is measured and its options.
+sweep: a 4-job multirun over loss.kl_temperature online against from a feature store (its build counted), in
+      both pipeline modes: wall time, CPU seconds of every process and their ratios, the stage costs timed in
+      the same run and the store sweep's cost over its limit (one target pass + N drafter passes + the store's
+      I/O), PASS/MISS against the goal of 10%, also per step (fixed costs cancelled by a second size,
+      base_steps=1). Options: steps=30 jobs=4 seed=0 modes=sync,async ...; see dflash/tools/bench/sweep.py.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ BENCHES = {
     "soak": "dflash.tools.bench.soak",
     "data": "dflash.tools.bench.data",
     "transport": "dflash.tools.bench.transport",
+    "sweep": "dflash.tools.bench.sweep",
 }
 
 

@@ -1,0 +1,137 @@
+"""What a feature store saves: `python -m dflash.bench sweep` (measured: its table is whole, positive and adds up)
+and `dflash.tools.store_cost` (arithmetic: the drafter's parameters, the FLOPs, the GPU-hours, the bytes per token,
+each checked against a count done here by hand)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from dflash.tools import store_cost
+from dflash.tools.bench import sweep
+
+Q8B, Q27B = store_cost.TARGETS["Qwen3-8B"], store_cost.TARGETS["Qwen3.6-27B"]
+
+
+def test_store_bytes_per_token_at_each_dtype():
+    # 5 layers' features + the last hidden state, each `hidden` values, plus an int64 id and a bool mask
+    assert store_cost.store_bytes(4096, 5, "float32")[0] == 6 * 4096 * 4 + 9 == 98_313
+    assert store_cost.store_bytes(4096, 5, "bfloat16")[0] == 6 * 4096 * 2 + 9
+    assert store_cost.store_bytes(5120, 5, "bfloat16")[0] == 61_449
+    assert store_cost.store_bytes(4096, 5, "fp8")[0] == 6 * (4096 + 4) + 9  # a float32 scale per token and row
+
+
+def test_the_drafter_is_counted_as_the_framework_builds_it():
+    d = store_cost.drafter_shape(Q8B)
+    per_layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 12288 + 2 * 4096 + 2 * 128  # attn, mlp, norms
+    assert d["layers"] == 5 * per_layer
+    assert d["context"] == 5 * 4096 * 4096 + 5 * 2 * 4096 * 1024  # fc (5 features -> hidden) + k/v of each layer
+    assert 1.0e9 < d["total"] < 1.1e9  # ~1.05B, the README's figure for the Qwen3-8B drafter
+    assert (d["num_layers"], d["num_features"], d["block"], d["attn_width"]) == (5, 5, 16, 32 * 128)
+
+
+def test_flops_and_gpu_hours_add_up():
+    d = store_cost.drafter_shape(Q27B)
+    target, drafter = store_cost.flops_per_sequence(Q27B, d, seq_len=3072, anchors=512)
+    assert target == 2 * 27e9 * 3072
+    by_hand = (
+        6 * d["layers"] * 512 * 16
+        + 6 * d["context"] * 3072
+        + 12 * 24 * 256 * 5 * 512 * 16 * (1536 + 16)
+        + 6 * 5120 * 248320 * 512 * 15
+    )
+    assert drafter == pytest.approx(by_hand)
+    r = store_cost.sweep_gpu_hours(Q27B, jobs=9, tokens=1.2e9, seq_len=3072, anchors=512, mfu=0.4, peak_tflops=989.4)
+    assert r["target_pass_h"] == pytest.approx(2 * 27e9 * 1.2e9 / (989.4e12 * 0.4) / 3600)  # 45.5 h
+    assert r["online_h"] == pytest.approx(9 * (r["target_pass_h"] + r["drafter_pass_h"]))
+    assert r["store_h"] == pytest.approx(r["target_pass_h"] + 9 * r["drafter_pass_h"])
+    assert r["saved_h"] == pytest.approx(r["online_h"] - r["store_h"]) and r["saved_h"] > 0
+    assert r["store_tb_bf16"] == pytest.approx(1.2e9 * 61_449 / 1e12)
+
+
+def test_the_goal_verdict_follows_the_numbers():
+    opts = {**sweep.DEFAULTS, "jobs": "2", "steps": "10", "goal": "0.10"}
+    stages = dict(zip(sweep.STAGES, ((2.0, 2.0), (3.0, 3.0), (0.5, 0.5), (0.5, 0.5))))
+    limit = 2.0 + 0.5 + 2 * (3.0 + 0.5)  # 9.5 CPU s
+    for store_cpu, verdict in ((limit * 1.05, "PASS"), (limit * 1.2, "MISS")):
+        runs = {"online": (20.0, 20.0), "store build": (1.0, 1.0), "store jobs": (store_cpu - 1, store_cpu - 1)}
+        runs["store"] = (store_cpu, store_cpu)
+        line = sweep.report(opts, stages, {"sync": runs})[-1]
+        assert line.startswith(f"sync: store sweep CPU / limit = {store_cpu / limit:.3f} (goal <= 1.10): {verdict}")
+
+
+def test_the_checks_of_the_bench_output_hold_for_a_report_of_known_numbers():
+    """check_sweep_output (used on a real run below) against report() of numbers chosen here, both verdicts."""
+    opts = {**sweep.DEFAULTS, "jobs": "2", "steps": "2", "modes": "sync"}
+    stages = dict(zip(sweep.STAGES, ((0.15, 0.055), (0.232, 0.085), (0.007, 0.003), (0.01, 0.002))))
+    runs = {"online": (32.0, 12.43), "store build": (18.3, 7.31), "store jobs": (28.5, 11.02), "store": (46.8, 18.33)}
+    for small_store in (18.71, 18.0):  # below the noise (store at 1 step costs more), then a positive difference
+        small = {"online": (25.4, 10.11), "store": (48.2, small_store)}
+        check_sweep_output("\n".join(sweep.report(opts, stages, {"sync": runs}, {"sync": small})))
+    with pytest.raises(AssertionError, match="store build"):  # a store row that is not its build plus its jobs
+        wrong = {"sync": {**runs, "store": (46.8, 20.0)}}
+        check_sweep_output("\n".join(sweep.report(opts, stages, wrong, {"sync": small})))
+
+
+def _table(out: str, header: str) -> list[list[str]]:
+    lines = out.splitlines()
+    start = lines.index(header) + 2
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
+@pytest.mark.slow
+def test_the_sweep_bench_prints_a_whole_consistent_table():
+    # base_steps=0: the second size's rows and line are checked on known numbers above; three processes, not six
+    args = ["steps=2", "jobs=2", "modes=sync", "batch_size=2", "seq_len=64", "num_anchors=4", "base_steps=0"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash.bench", "sweep", *args], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_sweep_output(proc.stdout)
+
+
+def check_sweep_output(out: str) -> None:
+    """`python -m dflash.bench sweep steps=2 jobs=2 modes=sync`'s output: whole, positive, adding up."""
+    stages = _table(out, "| stage | wall s | CPU s | CPU ms per batch |")
+    assert [r[0] for r in stages] == list(sweep.STAGES)
+    assert all(float(v) > 0 for r in stages for v in r[1:])
+    cost = {r[0]: float(r[2]) for r in stages}
+    rows = {r[1]: [float(v) for v in r[2:]] for r in _table(out, sweep.SWEEP_HEADER)}
+    measured = ["online", "store build", "store jobs", "store", "limit"]
+    assert list(rows) in (measured, [*measured, "online, 1 step(s)", "store, 1 step(s)"])
+    assert all(v > 0 for r in rows.values() for v in r)
+    for i in (0, 1):  # the store sweep is its build plus its jobs; each ratio is the row over its online row
+        whole = rows["store build"][i] + rows["store jobs"][i]
+        assert rows["store"][i] == pytest.approx(whole, abs=0.011), "store != store build + store jobs"
+        for name, r in rows.items():
+            online = rows["online, 1 step(s)" if "step(s)" in name else "online"][i]
+            rounding = 0.002 + r[i] / online * (0.0051 / r[i] + 0.0051 / online)  # costs printed to 0.01 s
+            assert r[2 + i] == pytest.approx(r[i] / online, abs=rounding)
+    limit = cost["target pass"] + cost["store write"] + 2 * (cost["drafter step"] + cost["store read"])
+    assert rows["limit"][1] == pytest.approx(limit, abs=0.06)
+    m = re.search(r"sync: store sweep CPU / limit = ([\d.]+) \(goal <= 1.10\): (PASS|MISS)", out)
+    assert m, out
+    assert float(m.group(1)) == pytest.approx(rows["store"][1] / rows["limit"][1], rel=0.05, abs=0.01)
+    assert m.group(2) == ("PASS" if float(m.group(1)) <= 1.10 else "MISS")
+    if "store, 1 step(s)" not in rows:
+        return
+    # per step beyond 1: (store at 2 steps - store at 1 step) / 1 over the limit's per step (limit / 2)
+    m = re.search(
+        r"store sweep \(CPU at 2 - at 1 steps\) / 1 = (-?[\d.]+) CPU s, limit ([\d.]+): ratio (-?[\d.]+)", out
+    )
+    assert m, out
+    assert float(m.group(1)) == pytest.approx(rows["store"][1] - rows["store, 1 step(s)"][1], abs=0.011)
+    assert float(m.group(2)) == pytest.approx(rows["limit"][1] / 2, abs=0.03)
+    ratio = float(m.group(3))
+    assert ratio == pytest.approx(float(m.group(1)) / float(m.group(2)), rel=0.01, abs=0.002)
+    verdict = "n/a (below the noise" if ratio <= 0 else "PASS" if ratio <= 1.10 else "MISS"
+    assert f"(goal <= 1.10): {verdict}" in out
