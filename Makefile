@@ -46,7 +46,7 @@ ablation: setup
 
 # experiment=sharegpt_tiny end to end (docs/data.md): the chat target, the first RECORDS ShareGPT conversations
 # answered again by it, a drafter trained on them, tau on held-out ShareGPT prompts; ARGS go to both steps
-RECORDS ?= 2000
+RECORDS ?= 1000
 sharegpt-tiny: setup
 	$(PY) -m dflash.tools.sharegpt_tiny --records $(RECORDS) --out outputs/sharegpt_tiny $(ARGS)
 	$(PY) launch.py experiment=sharegpt_tiny data.path=outputs/sharegpt_tiny/regen.jsonl $(ARGS)

@@ -62,7 +62,8 @@ def test_sharegpt_tiny_end_to_end(tmp_path, cache_dir):
     target = tmp_path / "tiny-chat-toy"
     overrides = [f"paths.cache_dir={cache_dir}", f"model.target={target}", *TOY]
     out = tmp_path / "data"
-    assert main(["--records", "24", "--max-new-tokens", "12", "--out", str(out), *overrides]) == 0
+    # sampled: the toy's greedy answers are blanks (regenerated as empty replies), nothing to train on
+    assert main(["--records", "24", "--max-new-tokens", "12", "--temperature", "1", "--out", str(out), *overrides]) == 0
 
     info = json.loads((target / "build_info.json").read_text())
     assert info["kind"] == "tiny_chat" and info["build"]["chat_records"] == 32
@@ -77,11 +78,9 @@ def test_sharegpt_tiny_end_to_end(tmp_path, cache_dir):
     prompts = [json.loads(line)["messages"] for line in (out / "prompts.jsonl").read_text().splitlines()]
     assert len(prompts) == 24 and prompts == sharegpt_exchanges(1, 24)
     regen = [json.loads(line) for line in (out / "regen.jsonl").read_text().splitlines()]
-    assert (
-        len(regen) == 24 - sum(1 for _ in open(out / "regen.jsonl.failures.jsonl"))
-        if (out / "regen.jsonl.failures.jsonl").exists()
-        else len(regen) == 24
-    )
+    failures = out / "regen.jsonl.failures.jsonl"  # an empty answer (a stop token first) is listed there
+    failed = len(failures.read_text().splitlines()) if failures.exists() else 0
+    assert len(regen) + failed == 24 and len(regen) >= 12, (len(regen), failed)
     for r in regen:  # the user turn kept, the answer the chat target's own
         user, answer = r["messages"]
         assert user == prompts[r["source_index"]][0] and answer["role"] == "assistant"

@@ -48,8 +48,9 @@ def prepare(out_dir: Path, records: int, source=None) -> Path:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dflash.tools.sharegpt_tiny", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("outputs/sharegpt_tiny"), help="directory of regen.jsonl")
-    p.add_argument("--records", type=int, default=1024, help="ShareGPT conversations to regenerate")
+    p.add_argument("--records", type=int, default=1000, help="ShareGPT conversations to regenerate")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per regenerated answer")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, as the eval decodes")
     p.add_argument("--chunk-size", type=int, default=64, help="answers generated in one batch")
     p.add_argument("--source", type=Path, default=None, help="a ShareGPT .json array (default: the package's)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the experiment (e.g. paths.cache_dir=...)")
@@ -62,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = compose(args.overrides)
     target = ensure_target(cfg.model)
     prompts = prepare(args.out, args.records, args.source)
-    backend = HFBackend(str(target), GenerationSettings(max_new_tokens=args.max_new_tokens), "cpu")
+    backend = HFBackend(str(target), GenerationSettings(args.max_new_tokens, args.temperature), "cpu")
     outcome = regenerate_file(prompts, args.out / "regen.jsonl", backend, args.chunk_size)
     log.info("%d of %d answers regenerated -> %s", outcome.completed + outcome.done_before, outcome.total, outcome.out)
     if outcome.failed:
