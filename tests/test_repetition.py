@@ -1,5 +1,5 @@
 """The degenerate-output measure (dflash/repetition.py) on hand-made token sequences, and its place in the
-eval's and the benchmark's metrics."""
+benchmark's metrics."""
 
 from __future__ import annotations
 
@@ -7,24 +7,26 @@ import math
 
 import pytest
 
-from dflash.repetition import WINDOW, degenerate_share, is_degenerate, repeat_period
+from dflash.repetition import MAX_DISTINCT, WINDOW, degenerate_share, distinct_tail, is_degenerate
 
 PROSE = list(range(100, 100 + 40))  # no token repeats
+NL2, NL3, ONE, DOT = 5, 6, 7, 8  # "\n\n", "\n\n\n", "1", "."
 
 
 @pytest.mark.parametrize(
-    ("tokens", "period"),
+    ("tokens", "distinct"),
     [
         ([7] * WINDOW, 1),  # one token to the end
         (PROSE + [7] * WINDOW, 1),  # prose that falls into a loop: only the tail counts
         (PROSE + [1, 2] * 20, 2),
-        (PROSE + [1, 2, 3] * 11, 3),
         (PROSE + [1, 2, 3, 4] * 8, 4),
-        (PROSE + [1, 2, 1, 2] * 8, 2),  # the shortest period is reported
+        (PROSE + list(range(1, 9)) * 4, 8),  # a pattern of 8 tokens: the longest that counts
+        # a loose loop: "1.\n\n" with the newlines varying (a strict period test misses it)
+        (PROSE + [ONE, DOT, NL2, ONE, DOT, NL3, ONE, DOT, NL2, NL2] * 4, 4),
     ],
 )
-def test_a_loop_of_a_short_pattern_is_degenerate(tokens, period):
-    assert repeat_period(tokens) == period
+def test_a_loop_of_a_short_pattern_is_degenerate(tokens, distinct):
+    assert distinct_tail(tokens) == distinct
     assert is_degenerate(tokens)
 
 
@@ -33,25 +35,24 @@ def test_a_loop_of_a_short_pattern_is_degenerate(tokens, period):
     [
         PROSE,  # no repetition
         [7] * (WINDOW - 1),  # too short to tell: an answer that stopped on its own
-        PROSE + [1, 2, 3, 4, 5] * 8,  # period 5: a longer pattern is not "short"
+        PROSE + list(range(1, 10)) * 4,  # 9 distinct tokens: a longer pattern is not "short"
         [7] * 20 + PROSE[:WINDOW],  # a loop that the output left again
-        PROSE + [7] * (WINDOW - 1) + [8],  # one token breaks the tail's period
+        PROSE[:20] + [7] * (WINDOW - MAX_DISTINCT - 1),  # the loop's start is in the window with 9 prose tokens
     ],
 )
 def test_prose_short_outputs_and_longer_patterns_are_not(tokens):
-    assert repeat_period(tokens) is None
     assert not is_degenerate(tokens)
 
 
 def test_stop_tokens_at_the_end_are_not_part_of_the_tail():
     loop = PROSE + [1, 2] * 16
-    assert is_degenerate(loop + [0, 0], stop_ids=[0])
-    assert not is_degenerate(loop + [0, 0])  # with 0 counted as content, the tail [..2, 1, 2, 0, 0] has no period
+    assert is_degenerate(loop + [0] * 30, stop_ids=[0])
+    assert is_degenerate(PROSE + [0] * 32) and not is_degenerate(PROSE + [0] * 32, stop_ids=[0])
     assert not is_degenerate([1, 2] * 15 + [0, 0], stop_ids=[0])  # 30 tokens of content: too short
 
 
 def test_window_and_share():
-    assert repeat_period([5] * 8, window=8) == 1 and repeat_period([5] * 7, window=8) is None
+    assert distinct_tail([5] * 8, window=8) == 1 and distinct_tail([5] * 7, window=8) is None
     outputs = [PROSE, PROSE + [3] * WINDOW, [1, 2] * 20, [4] * 3]
     assert degenerate_share(outputs) == 0.5
     assert math.isnan(degenerate_share([]))
