@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run run-dist test lint format bench ablation clean
+.PHONY: setup run run-dist test lint format bench ablation sharegpt-tiny clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,13 @@ bench: setup
 ablation: setup
 	$(PY) launch.py -m experiment=ablation_loss $(ARGS)
 	$(PY) scripts/ablation_table.py outputs/ablation_loss
+
+# experiment=sharegpt_tiny end to end (docs/data.md): the chat target, the first RECORDS ShareGPT conversations
+# answered again by it, a drafter trained on them, tau on held-out ShareGPT prompts; ARGS go to both steps
+RECORDS ?= 1000
+sharegpt-tiny: setup
+	$(PY) -m dflash.tools.sharegpt_tiny --records $(RECORDS) --out outputs/sharegpt_tiny $(ARGS)
+	$(PY) launch.py experiment=sharegpt_tiny data.path=outputs/sharegpt_tiny/regen.jsonl $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs/.cache

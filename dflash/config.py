@@ -32,7 +32,7 @@ LOSS_NAMES = ("ce_decay", "kl", "kl_streak")
 SCHEDULE_NAMES = ("cosine", "constant", "wsd")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 ATTENTION_NAMES = ("auto", "sdpa", "flex")
-BUILD_KINDS = ("none", "tiny", "tiny_random")
+BUILD_KINDS = ("none", "tiny", "tiny_random", "tiny_chat")
 WANDB_MODES = ("online", "offline", "disabled")
 DATA_NAMES = ("stdlib", "jsonl")
 BAD_RECORD_POLICIES = ("fail", "skip")
@@ -49,7 +49,7 @@ class TinyBuildConfig:
     """How `dflash/model/tiny.py` builds the embedded default target when `model.target` does not exist yet."""
 
     # none: model.target is a hub name or a directory (every real model); the sizes are model=tiny's
-    kind: str = "none"  # none | tiny | tiny_random
+    kind: str = "none"  # none | tiny | tiny_random | tiny_chat
     vocab_size: int = 2048
     hidden_size: int = 256
     num_layers: int = 6
@@ -62,6 +62,7 @@ class TinyBuildConfig:
     pretrain_seq_len: int = 128
     pretrain_batch_size: int = 16
     pretrain_lr: float = 3e-3
+    chat_records: int = 0  # tiny_chat: ShareGPT conversations pretrained on besides the stdlib (model/tiny_chat.py)
     seed: int = 0
 
 

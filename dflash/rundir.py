@@ -344,7 +344,7 @@ def _final_metrics(path: Path) -> dict[str, Any]:
     return metrics
 
 
-BENCH_COLUMNS = ("tau", "tau_pooled", "speedup", "tau_lookup", "lossless", "num_prompts")
+BENCH_COLUMNS = ("tau", "tau_pooled", "speedup", "tau_lookup", "lossless", "num_prompts", "degenerate")
 
 
 def bench_column_name(suite: str) -> str:

@@ -24,6 +24,8 @@ from dflash.config import (
     ConfigError,
 )
 
+MAX_CHAT_RECORDS = 13_000  # tiny_chat's records: from 4,000 up to 17,400, less the held-out ones
+
 
 def _check(ok: bool, key: str, value: Any, rule: str) -> None:
     if not ok:
@@ -55,6 +57,14 @@ def validate(cfg: DictConfig | Config) -> None:
     if m.mask_token_id is not None:
         _check(m.mask_token_id >= 0, "model.mask_token_id", m.mask_token_id, "must be >= 0")
     _one_of("model.build.kind", m.build.kind, BUILD_KINDS)
+    # tiny_chat reads ShareGPT records 4,000-17,400 (model/tiny_chat.py), 64 of them held out
+    low = 1 if m.build.kind == "tiny_chat" else 0
+    _check(
+        low <= m.build.chat_records <= MAX_CHAT_RECORDS,
+        "model.build.chat_records",
+        m.build.chat_records,
+        f"must be in [{low}, {MAX_CHAT_RECORDS}] (tiny_chat: ShareGPT conversations to pretrain on)",
+    )
     _one_of("model.attention", m.attention, ATTENTION_NAMES)
     _check(
         not (m.attention == "flex" and m.device == "cpu"),

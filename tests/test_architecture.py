@@ -34,9 +34,11 @@ LAYERS = {
     "dflash.determinism": 0,
     "dflash.machine": 0,
     "dflash.disk": 0,
+    "dflash.repetition": 0,
     "dflash.model": 1,
     "dflash.data": 2,
     "dflash.model.tiny": 2,  # builds the embedded target from the stdlib corpus: on data's floor
+    "dflash.model.tiny_chat": 2,  # and the chat target's ShareGPT conversations
     "dflash.train": 3,
     "dflash.tracking": 4,
     "dflash.evaluation": 5,

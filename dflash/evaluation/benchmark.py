@@ -11,6 +11,7 @@ benchmark resumes there): tau = z-lab's mean over generations (one per prompt an
 acceptance length; tau_pooled = accepted tokens / verify cycles; the acceptance histogram acc_hist_<k> and
 per-position acceptance acc_pos_<k>; tok_s and tok_s_target_only (decode, same process) and speedup;
 tau_lookup (prompt lookup, z-lab's mean); lossless (temperature 0: every output equals target-only greedy);
+degenerate (share of the generations that end in a loop of a short pattern, dflash/repetition.py);
 num_prompts and num_generations. `generations` holds each one's prompt token ids, output tokens and acceptance
 lengths, so `replay` can repeat them.
 """
@@ -28,6 +29,7 @@ from dflash.evaluation.decoding import acceptance_stats, speculative_generate
 from dflash.evaluation.evaluator import evaluate
 from dflash.evaluation.suites import ZLAB_SEED, chat_prompt, suite_prompts
 from dflash.jsonio import read_json, write_json, write_text_atomic
+from dflash.repetition import degenerate_share
 from dflash.terminal import display
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,7 @@ def run_suite(
                     "target_only_decode_time_s": row["target_only_decode_time_s"],
                     "target_only_decode_tokens": row["target_only_decode_tokens"],
                     "matches_target_only": row["matches_target_only"],
+                    "eos_id": tokenizer.eos_token_id,
                 }
             )
     return {
@@ -125,7 +128,14 @@ def suite_metrics(generations: list[dict], block_size: int, temperature: float, 
         metrics["lossless"] = float(all(g["matches_target_only"] for g in generations))
     metrics["num_prompts"] = float(num_prompts)
     metrics["num_generations"] = float(len(generations))
+    # share of the generations that end in a loop of a short pattern (dflash/repetition.py); at temperature 0
+    # they are the target's own greedy answers
+    metrics["degenerate"] = degenerate_share([g["tokens"] for g in generations], _stop(generations))
     return metrics
+
+
+def _stop(generations: list[dict]) -> tuple[int, ...]:
+    return tuple({g["eos_id"] for g in generations if g.get("eos_id") is not None})
 
 
 def run_benchmarks(

@@ -30,6 +30,7 @@ from dflash.evaluation.decoding import (
 )
 from dflash.model.build import init_drafter
 from dflash.model.drafter import DFlashDraftModel
+from dflash.repetition import degenerate_share, is_degenerate
 from dflash.rundir import RunDir
 from dflash.terminal import display
 from dflash.train.parallelize import frozen_copy, full_state_dict
@@ -101,7 +102,9 @@ def evaluate(
     token, prefill excluded; = decode-time ratio when both emit the same tokens), eval/lossless (temperature 0
     only: 1.0 if every DFlash output equals the target-only output), eval/tau_baseline and eval/speedup_baseline
     (prompt lookup, if `baselines`), eval/tau_untrained (if `untrained_drafter`), eval/num_prompts,
-    eval/new_tokens, eval/time_s; plus `details` (per prompt: prompt length, tokens, accept lengths) for eval.json.
+    eval/new_tokens, eval/time_s, eval/degenerate (share of the target's own outputs that end in a loop of a
+    short pattern: dflash/repetition.py); plus `details` (per prompt: prompt length, tokens, accept lengths)
+    for eval.json.
 
     block_size: None = the drafter's. eos_id: stop token(s); None = always generate max_new_tokens.
     tokenizer: optional, adds prompt/output text lengths and the output text to `details`.
@@ -174,6 +177,8 @@ def evaluate(
         metrics["eval/tau_untrained"] = acceptance_stats([r.accept_lengths for r in untrained], block_size)["tau"]
     metrics["eval/num_prompts"] = len(prompts)
     metrics["eval/new_tokens"] = sum(len(r.tokens) for r in dflash)
+    # of the target's own answers (what the drafter is asked to match), not the drafter's
+    metrics["eval/degenerate"] = degenerate_share([r.tokens for r in target_only], _stop_ids(eos_id))
     metrics["eval/time_s"] = time.perf_counter() - t_start
     metrics["details"] = _details(
         prompts,
@@ -183,6 +188,7 @@ def evaluate(
         untrained,
         tokenizer,
         dict(block_size=block_size, max_new_tokens=max_new_tokens, temperature=temperature, ngram=ngram, seed=seed),
+        _stop_ids(eos_id),
     )
     log.info(
         "eval: tau %.3f (prompt lookup %s, untrained %s), speedup %.2fx over %d prompts",
@@ -195,11 +201,15 @@ def evaluate(
     return metrics
 
 
+def _stop_ids(eos_id: EosIds) -> tuple[int, ...]:
+    return () if eos_id is None else (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
+
+
 def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
-def _details(prompts, dflash, target_only, lookup, untrained, tokenizer, settings: dict) -> dict:
+def _details(prompts, dflash, target_only, lookup, untrained, tokenizer, settings: dict, stop_ids=()) -> dict:
     per_prompt = []
     for i, (p, d, t) in enumerate(zip(prompts, dflash, target_only)):
         row: dict[str, Any] = {
@@ -210,6 +220,7 @@ def _details(prompts, dflash, target_only, lookup, untrained, tokenizer, setting
             "target_only_decode_time_s": t.decode_time_s,
             "target_only_decode_tokens": t.decode_tokens,
             "matches_target_only": d.tokens == t.tokens,
+            "target_only_degenerate": is_degenerate(t.tokens, stop_ids),
         }
         if lookup is not None:
             row["baseline_accept_lengths"] = lookup[i].accept_lengths

@@ -1,12 +1,13 @@
 """The embedded default target, built once on this machine from the Python standard library's sources.
 
 `ensure_target(model_cfg)` makes sure `model.target` exists when the config asks for a local build
-(`model.build.kind` = tiny | tiny_random): it trains a byte-level BPE tokenizer (with `<|MASK|>` and a small
-ChatML-style chat template), builds a small Qwen3 causal LM, pretrains it on stdlib train files (`tiny`; none
-for `tiny_random`), reports the held-out loss, and saves both with `save_pretrained`. From then on the target
-is loaded with `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`, the same path a
-hub model takes. The build is written to a temporary directory and renamed, under a file lock, so an
-interrupted or concurrent build never leaves a half-built target behind.
+(`model.build.kind` = tiny | tiny_random | tiny_chat): it trains a byte-level BPE tokenizer (with `<|MASK|>` and a
+small ChatML-style chat template), builds a small Qwen3 causal LM, pretrains it on stdlib train files (`tiny`;
+none for `tiny_random`; `tiny_chat` mostly on ShareGPT conversations, tiny_chat.py), reports the held-out loss,
+and saves both with `save_pretrained`. From then on the target is loaded with
+`AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`, the same path a hub model takes. The
+build is written to a temporary directory and renamed, under a file lock, so an interrupted or concurrent build
+never leaves a half-built target behind.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dflash.data.corpus import (
     stdlib_documents,
     stdlib_files,
 )
+from dflash.model.tiny_chat import ChatCorpus
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +142,8 @@ def build(target_dir: Path, b) -> dict:
     max_files = 120 if b.kind == "tiny_random" else None
     train_files = stdlib_files("train", max_files=max_files)
     log.info("building %s target in %s from %d stdlib files", b.kind, target_dir, len(train_files))
-    tok = build_tokenizer(b.vocab_size, [read_text(p) for p in train_files])
+    chat = ChatCorpus.load(b, CHAT_TEMPLATE) if b.kind == "tiny_chat" else None  # + ShareGPT (tiny_chat.py)
+    tok = build_tokenizer(b.vocab_size, [read_text(p) for p in train_files] + (chat.texts if chat else []))
     config = _qwen3_config(b, len(tok), tok)
     model = Qwen3ForCausalLM(config)
     info: dict = {
@@ -152,11 +155,14 @@ def build(target_dir: Path, b) -> dict:
     if b.pretrain_steps > 0:
         train_ids, _ = pack(stdlib_documents(tok, "train", DEFAULT_HOLDOUT), tok.eos_token_id)
         held_ids, _ = pack(stdlib_documents(tok, "heldout", DEFAULT_HOLDOUT), tok.eos_token_id)
+        if chat:  # pretraining mostly on chat; the held-out loss is the chat one
+            train_ids, held_ids = chat.train_ids(tok, train_ids), chat.heldout_ids(tok)
         held = _windows(held_ids, b.pretrain_seq_len)
         info["heldout_loss_init"] = heldout_loss(model, held)
         info["history"] = pretrain(model, train_ids, b)
         info["heldout_loss"] = heldout_loss(model, held)
         info["train_tokens"] = int(train_ids.numel())
+        info.update(chat.sample_answers(model, tok) if chat else {})
         log.info(
             "tiny target built: held-out loss %.3f (from %.3f at init)", info["heldout_loss"], info["heldout_loss_init"]
         )
