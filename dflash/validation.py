@@ -55,6 +55,13 @@ def validate(cfg: DictConfig | Config) -> None:
     if m.mask_token_id is not None:
         _check(m.mask_token_id >= 0, "model.mask_token_id", m.mask_token_id, "must be >= 0")
     _one_of("model.build.kind", m.build.kind, BUILD_KINDS)
+    if m.build.model_vocab_size is not None:  # the tokenizer's ids must all be rows of the embedding
+        _check(
+            m.build.model_vocab_size >= m.build.vocab_size,
+            "model.build.model_vocab_size",
+            m.build.model_vocab_size,
+            f"must be >= model.build.vocab_size={m.build.vocab_size} (or null: the tokenizer's size)",
+        )
     _one_of("model.attention", m.attention, ATTENTION_NAMES)
     _check(
         not (m.attention == "flex" and m.device == "cpu"),

@@ -70,7 +70,7 @@ def _qwen3_config(b, vocab_size: int, tok):
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        vocab_size=vocab_size,
+        vocab_size=b.model_vocab_size or vocab_size,
         hidden_size=b.hidden_size,
         intermediate_size=b.intermediate_size,
         num_hidden_layers=b.num_layers,
@@ -78,7 +78,7 @@ def _qwen3_config(b, vocab_size: int, tok):
         num_key_value_heads=b.num_key_value_heads,
         head_dim=b.head_dim,
         max_position_embeddings=b.max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=b.tie_word_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         bos_token_id=tok.eos_token_id,
         eos_token_id=tok.eos_token_id,
@@ -137,7 +137,7 @@ def build(target_dir: Path, b) -> dict:
 
     t0 = time.time()
     torch.manual_seed(b.seed)
-    max_files = 120 if b.kind == "tiny_random" else None
+    max_files = None if b.kind == "tiny" else 120  # a random target needs only a tokenizer, not the corpus
     train_files = stdlib_files("train", max_files=max_files)
     log.info("building %s target in %s from %d stdlib files", b.kind, target_dir, len(train_files))
     tok = build_tokenizer(b.vocab_size, [read_text(p) for p in train_files])
