@@ -53,6 +53,7 @@ def test_a_slow_first_step_says_what_it_is_doing(caplog):
     trainer = Trainer()
     with caplog.at_level(logging.INFO, logger="dflash.train.step_watch"):
         watch = watch_first_step(trainer, every_s=0.1)
+        trainer.optimizer.step()  # outside the step (DCP's resume does this): not counted
         train_on = trainer.train_on  # the pipeline keeps the bound method it was given
         train_on(None)
     text = caplog.text
@@ -64,7 +65,7 @@ def test_a_slow_first_step_says_what_it_is_doing(caplog):
     train_on(None)  # the second step is not watched, even through the wrapper kept
     trainer.train_on(None)
     assert trainer.steps == 3 and not caplog.text
-    assert sum(watch.seconds.values()) < 1.5  # the first step's pieces alone
+    assert sum(watch.seconds.values()) < 1.2  # the first step's pieces alone
 
 
 def test_a_fast_step_logs_nothing(caplog):
@@ -111,23 +112,43 @@ def _check_finished_run(run_dir: Path, steps: int) -> dict:
     return summary
 
 
+def _peak_rss_mb(run_dir: Path) -> float:
+    return max(r.get("perf/peak_rss_mb_max", r.get("perf/peak_rss_mb", 0)) for r in _records(run_dir))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_qwen3_8b_shapes_train_checkpoint_resume_export_and_evaluate(nproc, tmp_path, cache_dir):
-    """3 steps (checkpoint at 2), then a resume to 4 steps; one process, or parallel=fsdp on 2 gloo ranks.
-    Both ranks together stay under 14 GB of peak RSS (CI machines have 24 GB)."""
+def test_qwen3_8b_shapes_train_checkpoint_export_and_evaluate_in_one_process(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    args = [*SHAPES, f"hydra.run.dir={run_dir}"]
-    run = (lambda a: torchrun([*a, "parallel=fsdp"], cache_dir, timeout=900)) if nproc == 2 else None
-    run = run or (lambda a: launch(a, cache_dir, timeout=900))
-    proc = run(args)
+    proc = launch([*SHAPES, f"hydra.run.dir={run_dir}"], cache_dir, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    summary = _check_finished_run(run_dir, 3)
+    assert (run_dir / "checkpoints" / "step_2" / "drafter.safetensors").is_file()
+    assert isinstance(summary["train/loss"], float)  # finite: a NaN is written as null
+    assert 0 < _peak_rss_mb(run_dir) < 14_000
+
+
+@pytest.mark.slow
+def test_qwen3_8b_shapes_on_two_fsdp_ranks_resume_a_dcp_checkpoint(tmp_path, cache_dir):
+    """2 steps on 2 gloo ranks (a DCP checkpoint at step 2), then a resume to 3 steps that exports and
+    evaluates. Both ranks together stay under 14 GB of peak RSS (CI machines have 24 GB)."""
+    run_dir = tmp_path / "run"
+    first = [*SHAPES, "parallel=fsdp", "train.max_steps=2", "eval.num_prompts=0", f"hydra.run.dir={run_dir}"]
+    proc = torchrun(first, cache_dir, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    meta = json.loads((run_dir / "checkpoints" / "step_2" / "meta.json").read_text())
+    assert meta["format"] == "dcp"
+    resume = [*SHAPES, "parallel=fsdp", f"resume={run_dir}", "train.max_steps=3", "eval.num_prompts=1"]
+    proc = torchrun(resume, cache_dir, timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
     _check_finished_run(run_dir, 3)
-    assert (run_dir / "checkpoints" / "step_2").is_dir()
-    proc = run([*SHAPES, f"resume={run_dir}", "train.max_steps=4"])
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    summary = _check_finished_run(run_dir, 4)
     assert json.loads((run_dir / "run.json").read_text())["resumes"]
-    peak = max(r.get("perf/peak_rss_mb_max", r.get("perf/peak_rss_mb", 0)) for r in _records(run_dir))
-    assert 0 < peak * nproc < 14_000, f"peak RSS {peak:.0f} MB per rank"
-    assert isinstance(summary["train/loss"], float)  # finite: a NaN is written as null
+    # each rank's RSS counts the target's weights, which are pages of its safetensors file mapped by both
+    # ranks: one copy in memory (perf/target_mb); the rest of each rank's peak is its own
+    records = _records(run_dir)
+    target_mb = max(r.get("perf/target_mb_max", 0) for r in records)
+    peaks = max(r.get("perf/peak_rss_mb_max", 0) for r in records) + max(
+        r.get("perf/peak_rss_mb_min", 0) for r in records
+    )
+    assert 0 < target_mb < peaks - target_mb < 14_000, (
+        f"peak RSS {peaks:.0f} MB on both ranks, target {target_mb:.0f} MB"
+    )

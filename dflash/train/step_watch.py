@@ -28,14 +28,18 @@ class StepWatch:
         self._t0 = self._piece_t0 = clock()
         self.seconds: dict[str, float] = {}
         self._thread: threading.Thread | None = None
+        self._running = False
 
     def start(self, piece: str) -> None:
         self._t0 = self._clock()
+        self._running = True
         self.enter(piece)
         self._thread = threading.Thread(target=self._report, name="step-watch", daemon=True)
         self._thread.start()
 
     def enter(self, piece: str) -> None:
+        if not self._running:  # e.g. DCP's resume calls optimizer.step once to create the state: not the step
+            return
         with self._lock:
             now = self._clock()
             if self._piece is not None:
@@ -45,6 +49,7 @@ class StepWatch:
     def finish(self) -> float:
         """End the step; returns its seconds (a slow step's split is logged)."""
         self.enter("")
+        self._running = False
         self._done.set()
         if self._thread is not None:
             self._thread.join()
