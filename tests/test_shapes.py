@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import compose_config, launch
 from test_distributed import torchrun
+from test_plan import check_prediction
 
 from dflash.config import ConfigError
 from dflash.machine import slow_cpu_dtype
@@ -125,6 +126,7 @@ def test_qwen3_8b_shapes_train_checkpoint_export_and_evaluate_in_one_process(tmp
     assert (run_dir / "checkpoints" / "step_2" / "drafter.safetensors").is_file()
     assert isinstance(summary["train/loss"], float)  # finite: a NaN is written as null
     assert 0 < _peak_rss_mb(run_dir) < 14_000
+    check_prediction(run_dir)  # python -m dflash.plan's peak within +-15% of the measured one
 
 
 @pytest.mark.slow
@@ -142,6 +144,7 @@ def test_qwen3_8b_shapes_on_two_fsdp_ranks_resume_a_dcp_checkpoint(tmp_path, cac
     assert proc.returncode == 0, proc.stderr[-6000:]
     _check_finished_run(run_dir, 3)
     assert json.loads((run_dir / "run.json").read_text())["resumes"]
+    check_prediction(run_dir)  # the larger rank's peak, against the plan recorded at the start
     # each rank's RSS counts the target's weights, which are pages of its safetensors file mapped by both
     # ranks: one copy in memory (perf/target_mb); the rest of each rank's peak is its own
     records = _records(run_dir)

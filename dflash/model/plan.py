@@ -27,9 +27,11 @@ from dataclasses import dataclass
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# RSS of a training process before its models and tensors: on the project's 2-core AMD EPYC, a smoke run's
-# tiny_random process (target and drafter < 1 MB) peaked at this RSS; on a GPU this stands for the CUDA context
-RUNTIME_BYTES = 600 * 2**20
+# the process beside its tensors, a constant: on the project's 2-core AMD EPYC importing torch, transformers and
+# dflash takes 381 MiB of RSS, and small training processes peaked at 422-469 MiB (experiment=smoke) and ~540
+# MiB beyond their predicted tensors (the tiny target's widths, 40 stdlib files); on a GPU it stands for the
+# CUDA context. Host-side data is not in it: data=stdlib's whole corpus adds ~0.5 GB of host RSS
+RUNTIME_BYTES = 512 * 2**20
 
 
 @dataclass(frozen=True)
@@ -201,9 +203,9 @@ def flops_per_token(cfg, t: TargetShape) -> dict[str, float]:
     return {"target": float(target), "drafter": float(drafter)}
 
 
-def headline(cfg, t: TargetShape, nproc: int = 1) -> dict:
+def headline(cfg, t: TargetShape, nproc: int = 1, device: str | None = None) -> dict:
     """What a run records in run.json and logs at start: the predicted peak per rank and its largest parts."""
-    parts = memory_parts(cfg, t, nproc)
+    parts = memory_parts(cfg, t, nproc, device=device)
     total = sum(parts.values())
     top = sorted(((k, v) for k, v in parts.items() if v), key=lambda kv: -kv[1])[:3]
     return {
