@@ -14,7 +14,8 @@ The model of memory, per rank (bytes of `model.dtype` unless said):
   target activations   one forward without grad: every layer's hidden state (output_hidden_states), the
                         features, and the largest layer intermediate (MLP or, on a CPU, attention scores)
   drafter activations   what one step's backward keeps: per layer the block stream, the context keys/values,
-                        the attention probabilities and the MLP; the fused context
+                        the attention probabilities (CPU; on a GPU only the boolean mask) and the MLP; the fused
+                        context
   chunked loss          float32 logits, probabilities and their gradient over `loss.chunk_size` positions
   queues                feature items alive at once (sync: 1; async: each queue at its bound, plus one per stage)
   feature transport     parallel.target_ranks: items in flight on the link (credits), else 0
@@ -131,7 +132,8 @@ def memory_parts(
     per_layer = (
         T * (6 * H + 2 * d.heads * d.head_dim + 3 * d.intermediate)  # block stream, q, o, MLP
         + (ctx + T) * (H + 4 * kv_width + 2 * d.heads * d.head_dim * (d.heads // d.kv_heads > 1))  # keys/values
-        + 2 * bsz * d.heads * A * B * (S + A * B)  # attention probabilities (and their mask)
+        # a CPU's SDPA keeps the attention probabilities for backward; a GPU's fused kernels keep only the mask
+        + bsz * A * B * (S + A * B) * (2 * d.heads if cpu else 1) // (1 if cpu else w)
     )
     target_act = ctx * H * (t.layers + 2 + d.features) + max(
         3 * ctx * t.intermediate, bsz * t.heads * S * S if cpu else 0
