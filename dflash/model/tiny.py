@@ -1,9 +1,10 @@
 """The embedded default target, built once on this machine from the Python standard library's sources.
 
 `ensure_target(model_cfg)` makes sure `model.target` exists when the config asks for a local build
-(`model.build.kind` = tiny | tiny_random): it trains a byte-level BPE tokenizer (with `<|MASK|>` and a small
-ChatML-style chat template), builds a small Qwen3 causal LM, pretrains it on stdlib train files (`tiny`; none
-for `tiny_random`), reports the held-out loss, and saves both with `save_pretrained`. From then on the target
+(`model.build.kind` = tiny | tiny_random | random): it trains a byte-level BPE tokenizer (with `<|MASK|>` and a
+small ChatML-style chat template), builds a Qwen3 causal LM (`random`: at any widths, with `model_vocab_size`
+rows, e.g. Qwen3-8B's), pretrains it on stdlib train files (`tiny`; none for the random kinds), reports the
+held-out loss, and saves both with `save_pretrained`. From then on the target
 is loaded with `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`, the same path a
 hub model takes. The build is written to a temporary directory and renamed, under a file lock, so an
 interrupted or concurrent build never leaves a half-built target behind.
