@@ -32,7 +32,7 @@ LOSS_NAMES = ("ce_decay", "kl", "kl_streak")
 SCHEDULE_NAMES = ("cosine", "constant", "wsd")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 ATTENTION_NAMES = ("auto", "sdpa", "flex")
-BUILD_KINDS = ("none", "tiny", "tiny_random", "tiny_chat")
+BUILD_KINDS = ("none", "tiny", "tiny_random", "tiny_chat", "random")
 WANDB_MODES = ("online", "offline", "disabled")
 DATA_NAMES = ("stdlib", "jsonl")
 BAD_RECORD_POLICIES = ("fail", "skip")
@@ -49,8 +49,12 @@ class TinyBuildConfig:
     """How `dflash/model/tiny.py` builds the embedded default target when `model.target` does not exist yet."""
 
     # none: model.target is a hub name or a directory (every real model); the sizes are model=tiny's
-    kind: str = "none"  # none | tiny | tiny_random | tiny_chat
-    vocab_size: int = 2048
+    kind: str = "none"  # none | tiny | tiny_random | tiny_chat | random (random weights at any widths, e.g. Qwen3-8B's)
+    vocab_size: int = 2048  # the embedded tokenizer's vocabulary
+    # rows of the model's embedding and LM head; null = the tokenizer's. Larger: ids above the tokenizer's range
+    # are valid (a real mask id such as Qwen3's 151669) but never produced by the tokenizer
+    model_vocab_size: int | None = None
+    tie_word_embeddings: bool = True  # one matrix for embedding and LM head (Qwen3-8B has two; one will do here)
     hidden_size: int = 256
     num_layers: int = 6
     num_attention_heads: int = 4

@@ -18,6 +18,7 @@ from dflash.data.training_data import TrainingData
 from dflash.distributed import World
 from dflash.evaluation.evaluator import Evaluator
 from dflash.feature_build import build_store
+from dflash.machine import slow_cpu_dtype
 from dflash.model.build import build_drafter_config, init_drafter, resolve_mask_token_id
 from dflash.model.target import DTYPES, TargetHeads, TargetModel, resolve_device
 from dflash.resume import check_data_unchanged
@@ -28,6 +29,7 @@ from dflash.train import faults
 from dflash.train.checkpointer import CheckpointManager
 from dflash.train.feature_store import check_manifest, manifest_for, store_path
 from dflash.train.parallelize import frozen_copy, full_state_dict, parallelize_drafter
+from dflash.train.step_watch import watch_first_step
 from dflash.train.trainer import DrafterTrainer, total_steps
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,9 @@ def build_job(
     par = cfg.parallel
     device = world.device if world.distributed else resolve_device(par.get("drafter_device") or cfg.model.device)
     places = par.get("target_devices") or [str(world.device if world.distributed else resolve_device(cfg.model.device))]
+    on_cpu = device.type == "cpu" or any(torch.device(p).type == "cpu" for p in places)
+    if on_cpu and (why := slow_cpu_dtype(cfg.model.dtype)):  # said before minutes of silence in the first step
+        log.warning(why)
     # parallel.target_ranks: a drafter rank that runs no evals needs only the embedding and LM head (the target
     # ranks compute its features); a 27B target must not share a GPU with the drafter's optimizer
     # features=store: the target runs nowhere but in the evals (rank 0)
@@ -142,6 +147,7 @@ def build_job(
         cfg, heads, drafter, mask_id, total_steps(cfg.train), after_step, world, model, stop_requested
     )
     faults.install(trainer, cfg.debug, world.rank)  # +debug=faults drills; nothing without a debug key
+    watch_first_step(trainer)  # a first step of minutes (large shapes on a CPU) says what it is doing
     return Job(
         target, drafter, device, loaded.data, trainer, checkpoints, evaluator, world, model, loaded.replicas, store
     )

@@ -23,6 +23,7 @@ from dflash.distributed import World
 from dflash.finish import TrainResult, finish
 from dflash.job import Job, build_job
 from dflash.job_info import JobInfo
+from dflash.model.plan import run_headline
 from dflash.rundir import RunDir
 from dflash.secrets import redact
 from dflash.tracking import CallbackList, RunInfo, build_callbacks
@@ -66,6 +67,9 @@ def resume(cfg: DictConfig, job: Job, run: RunDir) -> None:
     world = job.world
     if world.is_main:
         run.add_run_info("data_fingerprint", job.fingerprint, resumed=bool(cfg.resume))
+        if (plan := run_headline(cfg, world.size)) is not None:  # a GPU run can be held against its prediction
+            log.info("plan: %s (python -m dflash.plan)", plan["text"])
+            run.add_run_info("plan", plan, resumed=bool(cfg.resume))
     if cfg.resume and job.checkpoints.resume(job.trainer) is not None and world.is_main:
         run.truncate_metrics(job.trainer.step)  # the resumed run appends without duplicate steps
     if world.target_ranks:

@@ -65,6 +65,13 @@ def validate(cfg: DictConfig | Config) -> None:
         m.build.chat_records,
         f"must be in [{low}, {MAX_CHAT_RECORDS}] (tiny_chat: ShareGPT conversations to pretrain on)",
     )
+    if m.build.model_vocab_size is not None:  # the tokenizer's ids must all be rows of the embedding
+        _check(
+            m.build.model_vocab_size >= m.build.vocab_size,
+            "model.build.model_vocab_size",
+            m.build.model_vocab_size,
+            f"must be >= model.build.vocab_size={m.build.vocab_size} (or null: the tokenizer's size)",
+        )
     _one_of("model.attention", m.attention, ATTENTION_NAMES)
     _check(
         not (m.attention == "flex" and m.device == "cpu"),

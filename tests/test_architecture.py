@@ -18,6 +18,7 @@ ENTRY_POINTS = {
     "dflash.report",
     "dflash.regenerate",
     "dflash.features",
+    "dflash.plan",
 }
 
 # layer of each module prefix (lower number = lower floor); a module may import its own floor or below

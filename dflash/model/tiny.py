@@ -1,13 +1,13 @@
 """The embedded default target, built once on this machine from the Python standard library's sources.
 
 `ensure_target(model_cfg)` makes sure `model.target` exists when the config asks for a local build
-(`model.build.kind` = tiny | tiny_random | tiny_chat): it trains a byte-level BPE tokenizer (with `<|MASK|>` and a
-small ChatML-style chat template), builds a small Qwen3 causal LM, pretrains it on stdlib train files (`tiny`;
-none for `tiny_random`; `tiny_chat` mostly on ShareGPT conversations, tiny_chat.py), reports the held-out loss,
-and saves both with `save_pretrained`. From then on the target is loaded with
-`AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`, the same path a hub model takes. The
-build is written to a temporary directory and renamed, under a file lock, so an interrupted or concurrent build
-never leaves a half-built target behind.
+(`model.build.kind` = tiny | tiny_random | tiny_chat | random): it trains a byte-level BPE tokenizer (with
+`<|MASK|>` and a small ChatML-style chat template), builds a Qwen3 causal LM (`random`: at any widths, with
+`model_vocab_size` rows, e.g. Qwen3-8B's), pretrains it on stdlib train files (`tiny`; none for the random kinds;
+`tiny_chat` mostly on ShareGPT conversations, tiny_chat.py), reports the held-out loss, and saves both with
+`save_pretrained`. From then on the target is loaded with `AutoModelForCausalLM.from_pretrained` /
+`AutoTokenizer.from_pretrained`, the same path a hub model takes. The build is written to a temporary directory
+and renamed, under a file lock, so an interrupted or concurrent build never leaves a half-built target behind.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _qwen3_config(b, vocab_size: int, tok):
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        vocab_size=vocab_size,
+        vocab_size=b.model_vocab_size or vocab_size,
         hidden_size=b.hidden_size,
         intermediate_size=b.intermediate_size,
         num_hidden_layers=b.num_layers,
@@ -80,7 +80,7 @@ def _qwen3_config(b, vocab_size: int, tok):
         num_key_value_heads=b.num_key_value_heads,
         head_dim=b.head_dim,
         max_position_embeddings=b.max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=b.tie_word_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         bos_token_id=tok.eos_token_id,
         eos_token_id=tok.eos_token_id,
@@ -139,7 +139,8 @@ def build(target_dir: Path, b) -> dict:
 
     t0 = time.time()
     torch.manual_seed(b.seed)
-    max_files = 120 if b.kind == "tiny_random" else None
+    # a random target needs only a tokenizer, not the corpus
+    max_files = 120 if b.kind in ("tiny_random", "random") else None
     train_files = stdlib_files("train", max_files=max_files)
     log.info("building %s target in %s from %d stdlib files", b.kind, target_dir, len(train_files))
     chat = ChatCorpus.load(b, CHAT_TEMPLATE) if b.kind == "tiny_chat" else None  # + ShareGPT (tiny_chat.py)

@@ -1,0 +1,232 @@
+"""Will it fit: a run's predicted peak memory per rank, split into its parts, from the config and the target's
+shape alone (no weights are loaded); the largest batch x seq_len that fits a device; and the target/drafter
+token rates that balance the pipeline, from FLOPs. `python -m dflash.plan` prints it; a run logs its headline
+at start and records it in run.json, so a GPU run can be compared with its prediction.
+
+The model of memory, per rank (bytes of `model.dtype` unless said):
+  target weights        every parameter of the target (frozen, loaded whole by each rank)
+  drafter parameters    the drafter's parameters (fsdp: a 1/N shard)
+  gradients             one per parameter (fsdp: a shard; ddp: twice, its buckets hold a copy)
+  optimizer state       AdamW's two moments in the parameters' dtype (fsdp: a shard)
+  fsdp gathered         fsdp: the largest unit unsharded during forward/backward, weights and gradients
+  eval copy             ddp/fsdp: the full drafter gathered on rank 0 for an eval or the export (after
+                        training: the larger of it and the fsdp gathered weights counts, never both)
+  target activations   one forward without grad: every layer's hidden state (output_hidden_states), the
+                        features, and the largest layer intermediate (MLP or, on a CPU, attention scores)
+  drafter activations   what one step's backward keeps: per layer the block stream, the context keys/values,
+                        the attention probabilities (CPU; on a GPU only the boolean mask) and the MLP; the fused
+                        context
+  chunked loss          float32 logits, probabilities and their gradient over `loss.chunk_size` positions
+  queues                feature items alive at once (sync: 1; async: each queue at its bound, plus one per stage)
+  feature transport     parallel.target_ranks: items in flight on the link (credits), else 0
+  runtime               the process itself: Python, torch, transformers, the data (RUNTIME_BYTES)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# the process beside its tensors, a constant: on the project's 2-core AMD EPYC importing torch, transformers and
+# dflash takes 381 MiB of RSS, and small training processes peaked at 422-469 MiB (experiment=smoke) and ~540
+# MiB beyond their predicted tensors (the tiny target's widths, 40 stdlib files); on a GPU it stands for the
+# CUDA context. Host-side data is not in it: data=stdlib's whole corpus adds ~0.5 GB of host RSS
+RUNTIME_BYTES = 512 * 2**20
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    params: int | None = None  # the total, where the dense-layer formula does not hold (hybrid attention)
+
+    def layer_params(self, heads=None, kv_heads=None, head_dim=None, intermediate=None) -> int:
+        h, hd = self.hidden, head_dim or self.head_dim
+        q, kv = (heads or self.heads) * hd, (kv_heads or self.kv_heads) * hd
+        return 2 * h * q + 2 * h * kv + 3 * h * (intermediate or self.intermediate) + 2 * h + 2 * hd
+
+    @property
+    def head_params(self) -> int:  # embedding and LM head
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    @property
+    def total_params(self) -> int:
+        return self.params or self.head_params + self.layers * self.layer_params() + self.hidden
+
+
+# targets the presets name on the hub, so a plan needs no download: their published config.json
+KNOWN_TARGETS = {
+    "Qwen/Qwen3-8B": TargetShape(4096, 36, 32, 8, 128, 12288, 151936, False),
+    # Qwen3.6-27B mixes linear- and full-attention layers: its total is the published ~27B, not the formula
+    "Qwen/Qwen3.6-27B": TargetShape(5120, 64, 24, 4, 256, 17408, 248320, False, params=27_000_000_000),
+}
+
+
+def target_shape(target: str) -> TargetShape:
+    """The shape of `model.target`: a known hub name, else its config.json (a local directory or the hub cache)."""
+    if target in KNOWN_TARGETS:
+        return KNOWN_TARGETS[target]
+    from dflash.model.target import load_target_config
+
+    c = load_target_config(target)
+    return TargetShape(
+        c.hidden_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        c.intermediate_size,
+        c.vocab_size,
+        bool(getattr(c, "tie_word_embeddings", False)),
+    )
+
+
+@dataclass(frozen=True)
+class DrafterShape:
+    layers: int
+    features: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    layer_params: int
+    params: int
+
+
+def drafter_shape(model_cfg, t: TargetShape) -> DrafterShape:
+    """The drafter build_drafter_config makes for this target (its widths, model.draft_* overrides)."""
+    ids = model_cfg.target_layer_ids
+    features = len(ids) if ids is not None else (model_cfg.num_target_features or model_cfg.num_draft_layers)
+    heads = model_cfg.draft_num_attention_heads or t.heads
+    kv = model_cfg.draft_num_key_value_heads or t.kv_heads
+    hd = model_cfg.draft_head_dim or t.head_dim
+    inter = model_cfg.draft_intermediate_size or t.intermediate
+    layer = t.layer_params(heads, kv, hd, inter)
+    n = model_cfg.num_draft_layers
+    return DrafterShape(n, features, heads, kv, hd, inter, layer, n * layer + features * t.hidden**2 + 2 * t.hidden)
+
+
+def memory_parts(
+    cfg, t: TargetShape, nproc: int = 1, batch_size: int | None = None, seq_len: int | None = None, device=None
+):
+    """Predicted bytes per rank, by part (the module docstring says what each holds); rank 0, the larger.
+    `device` (cpu | cuda; None: the config's) decides whether attention scores of the target are materialised."""
+    m, tr, par = cfg.model, cfg.train, cfg.parallel
+    d = drafter_shape(m, t)
+    w = DTYPE_BYTES[m.dtype]
+    name = par.name if nproc > 1 else "single"
+    shard = nproc if name == "fsdp" else 1
+    bsz = max(1, (batch_size or tr.batch_size) // nproc)  # train.batch_size is the global batch
+    S, A, B, H = seq_len or tr.seq_len, tr.num_anchors, m.block_size, t.hidden
+    T, ctx = bsz * A * B, bsz * S  # block tokens and context tokens of one step on this rank
+    device = device or (m.device if m.device != "auto" else ("cuda" if _cuda() else "cpu"))
+    cpu = device == "cpu"
+    kv_width = d.kv_heads * d.head_dim
+    per_layer = (
+        T * (6 * H + 2 * d.heads * d.head_dim + 3 * d.intermediate)  # block stream, q, o, MLP
+        + (ctx + T) * (H + 4 * kv_width + 2 * d.heads * d.head_dim * (d.heads // d.kv_heads > 1))  # keys/values
+        # a CPU's SDPA keeps the attention probabilities for backward; a GPU's fused kernels keep only the mask
+        + bsz * A * B * (S + A * B) * (2 * d.heads if cpu else 1) // (1 if cpu else w)
+    )
+    target_act = ctx * H * (t.layers + 2 + d.features) + max(
+        3 * ctx * t.intermediate, bsz * t.heads * S * S if cpu else 0
+    )
+    item = ctx * H * (d.features + 1) * w
+    items = 1 if cfg.pipeline.mode == "sync" else cfg.pipeline.queue_size + 2
+    if cfg.pipeline.queue_bytes:
+        items = min(items, max(1, cfg.pipeline.queue_bytes // max(1, item)) + 2)
+    target_ranks = par.get("target_ranks") or 0
+    unit = max(d.layer_params, d.features * H * H)
+    return {
+        "target weights": t.total_params * w,
+        "drafter parameters": d.params * w // shard,
+        "gradients": d.params * w * (2 if name == "ddp" else 1) // shard,
+        "optimizer state": 2 * d.params * w // shard,
+        "fsdp gathered": 2 * unit * w if name == "fsdp" else 0,
+        "eval copy": max(0, d.params * w - (2 * unit * w if name == "fsdp" else 0)) if name in ("ddp", "fsdp") else 0,
+        "target activations": target_act * w,
+        "drafter activations": (d.layers * per_layer + 3 * ctx * H + 2 * T * H) * w,
+        "chunked loss": 5 * min(m_chunk(cfg), T) * t.vocab * 4,
+        "queues": items * item,
+        "feature transport": cfg.pipeline.queue_size * item if target_ranks else 0,
+        "runtime": RUNTIME_BYTES,
+    }
+
+
+def m_chunk(cfg) -> int:
+    return int(cfg.loss.chunk_size)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def peak_bytes(cfg, t: TargetShape, nproc: int = 1, **kw) -> int:
+    """The predicted peak per rank: the sum of the parts."""
+    return sum(memory_parts(cfg, t, nproc, **kw).values())
+
+
+def largest_fit(
+    cfg, t: TargetShape, nproc: int, device_bytes: int, seq_lens=(512, 1024, 2048, 3072, 4096, 8192), device=None
+):
+    """{seq_len: the largest global train.batch_size (a multiple of nproc) whose predicted peak fits}, 0 = none."""
+    out = {}
+    for S in seq_lens:
+        per_rank = 0
+        while per_rank < 4096 and device_bytes >= peak_bytes(
+            cfg, t, nproc, batch_size=(per_rank + 1) * nproc, seq_len=S, device=device
+        ):
+            per_rank += 1
+        out[S] = per_rank * nproc
+    return out
+
+
+def flops_per_token(cfg, t: TargetShape) -> dict[str, float]:
+    """FLOPs per context token: the target's forward, and the drafter's training step (forward and backward,
+    its LM head over the drafted positions included)."""
+    m, tr = cfg.model, cfg.train
+    d = drafter_shape(m, t)
+    S, A, B, H = tr.seq_len, tr.num_anchors, m.block_size, t.hidden
+    blocks = A * B / S  # block tokens per context token
+    target = 2 * (t.total_params - t.head_params) + 2 * t.layers * S * t.heads * t.head_dim
+    kv = 2 * H * d.kv_heads * d.head_dim * d.layers  # the context's keys/values in every drafter layer
+    attn = 4 * d.heads * d.head_dim * (S + A * B) * d.layers
+    head = (B - 1) / B * t.vocab * H * 2 * (3 if cfg.loss.name != "ce_decay" else 2)  # + the teacher's logits
+    drafter = 3 * (2 * d.features * H * H + kv) + blocks * (3 * (2 * d.layers * d.layer_params + attn) + head)
+    return {"target": float(target), "drafter": float(drafter)}
+
+
+def headline(cfg, t: TargetShape, nproc: int = 1, device: str | None = None) -> dict:
+    """What a run records in run.json and logs at start: the predicted peak per rank and its largest parts."""
+    parts = memory_parts(cfg, t, nproc, device=device)
+    total = sum(parts.values())
+    top = sorted(((k, v) for k, v in parts.items() if v), key=lambda kv: -kv[1])[:3]
+    return {
+        "predicted_peak_gib_per_rank": round(total / GIB, 3),
+        "nproc": nproc,
+        "parts_gib": {k: round(v / GIB, 3) for k, v in parts.items()},
+        "text": f"predicted peak {total / GIB:.2f} GiB per rank ("
+        + ", ".join(f"{k} {v / GIB:.2f}" for k, v in top)
+        + ")",
+    }
+
+
+def run_headline(cfg, nproc: int) -> dict | None:
+    """The headline of the run's own plan (its device, its world size); None, with a warning, if the target's
+    shape cannot be read: a plan never stops a run."""
+    import logging
+
+    try:
+        return headline(cfg, target_shape(cfg.model.target), nproc)
+    except Exception as e:  # noqa: BLE001 - a prediction is advice; the run goes on without it
+        logging.getLogger(__name__).warning("no memory plan for this run: %s", e)
+        return None
