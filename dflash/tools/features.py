@@ -14,6 +14,7 @@ from dflash.distributed import World
 from dflash.feature_build import build_store, planned_bytes
 from dflash.sources import target_files
 from dflash.terminal import install_logging
+from dflash.train.feature_store import store_bytes_per_token
 from dflash.validation import validate
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -42,10 +43,12 @@ def main(argv: list[str] | None = None) -> int:
         batches, needed = planned_bytes(cfg, files)
         where = Path(cfg.features.path or Path(cfg.paths.cache_dir) / "features").expanduser()
         free = free_bytes(where)
+        per_token = store_bytes_per_token(files.config.hidden_size, len(files.layer_ids), cfg.features.dtype)
         print(
             f"feature store: {batches} global batches x {cfg.train.batch_size} x {cfg.train.seq_len} tokens, "
             f"{len(files.layer_ids)} layers + the last hidden state of width {files.config.hidden_size} in "
-            f"{cfg.features.dtype}: {mib(needed)} ({needed / 2**40:.3f} TiB); {mib(free)} free at {where}"
+            f"{cfg.features.dtype} ({per_token} bytes/token): {needed} bytes, {mib(needed)} "
+            f"({needed / 2**40:.3f} TiB); {mib(free)} free at {where}"
         )
         if needed > free:
             print("error: the store would not fit", file=sys.stderr)
