@@ -1,16 +1,20 @@
-"""`python -m dflash.features build [--dry-run] [OVERRIDES ...]`: the feature store of the run these Hydra
+"""`python -m dflash.features build [--dry-run] [OVERRIDES ...]` (or `torchrun --nproc-per-node=N -m
+dflash.features build ...`: the shards shared among the ranks): the feature store of the run these Hydra
 overrides describe (the same keys as launch.py: model, data, train.seq_len, train.batch_size, train.max_steps,
 train.seed, features.dtype, features.path). `--dry-run` prints the bytes it will take and whether they fit."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-from dflash.config import register_configs
+from omegaconf import OmegaConf
+
+from dflash.config import ConfigError, register_configs
 from dflash.disk import free_bytes, mib
-from dflash.distributed import World
+from dflash.distributed import World, init_world, launched_distributed, shutdown
 from dflash.feature_build import build_store, planned_bytes
 from dflash.sources import target_files
 from dflash.terminal import install_logging
@@ -54,5 +58,18 @@ def main(argv: list[str] | None = None) -> int:
             print("error: the store would not fit", file=sys.stderr)
             return 1
         return 0
-    print(build_store(cfg))
+    try:
+        print(build_store(cfg, build_world(cfg)))
+    finally:
+        shutdown()  # leave the process group (torchrun)
     return 0
+
+
+def build_world(cfg) -> World:
+    """Under torchrun, the build's ranks: the process group joined with `parallel.backend` (auto: NCCL on CUDA,
+    gloo on CPU) and `parallel.init_timeout_s`, which bounds every wait of the build; else one process."""
+    if not (launched_distributed() and int(os.environ["WORLD_SIZE"]) > 1):
+        return World()
+    if cfg.parallel.get("target_ranks"):
+        raise ConfigError("python -m dflash.features build: parallel.target_ranks does not apply (every rank builds)")
+    return init_world(OmegaConf.merge(cfg.parallel, {"name": "ddp"}), cfg.model.device)
