@@ -236,7 +236,7 @@ class FeaturesConfig:
 
     name: str = "online"  # online | store
     path: str | None = None  # the store (null = under paths.cache_dir, named by what it holds)
-    dtype: str = "float32"  # float32 | bfloat16: the stored features (float32 reads back bitwise)
+    dtype: str = "float32"  # float32 | bfloat16 | fp8 (e4m3 + per-token scale): stored features (float32: bitwise)
     shard_batches: int = 16  # global batches per shard file
     build_missing: bool = False  # store: build what is missing first (the first job of a sweep; others wait)
 

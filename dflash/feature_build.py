@@ -1,12 +1,20 @@
 """Building a feature store for a run's config: the target over the run's global batches, in the order the run
 reads them, written in shards (dflash/train/feature_store.py). Resumable; one builder at a time per store (a
-file lock: in a sweep with features.build_missing=true the first job builds, the others wait, then read)."""
+file lock: in a sweep with features.build_missing=true the first job builds, the others wait, then read).
+
+Under torchrun (`torchrun --nproc-per-node=N -m dflash.features build ...`) every rank reads the same batches and
+runs the target on the global batches of its own shards (the shards still to build, dealt round-robin), so each
+shard holds what a one-process build writes there. Rank 0 alone holds the lock, writes the manifest and, once
+every rank is done, the index. The ranks meet only in collectives of the process group, each bounded by
+`parallel.init_timeout_s`; a rank that fails publishes its error, the others stop at their next shard, and all
+of them raise it instead of waiting for the missing shards."""
 
 from __future__ import annotations
 
 import fcntl
 import itertools
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -14,7 +22,7 @@ from omegaconf import DictConfig
 
 from dflash.data.fingerprint import data_fingerprint
 from dflash.disk import check_free, mib
-from dflash.distributed import World
+from dflash.distributed import RankFailed, World
 from dflash.model.target import resolve_device
 from dflash.sources import target_and_data, target_files
 from dflash.terminal import display
@@ -40,29 +48,78 @@ def is_complete(store: Path) -> bool:
 
 
 def build_store(cfg: DictConfig, world: World | None = None) -> Path:
-    """Build (or finish building) the store `cfg` reads; returns its path. Refuses to start without the room."""
+    """Build (or finish building) the store `cfg` reads, sharing the shards among `world`'s ranks; returns its
+    path. Refuses to start without the room."""
     world = world or World()
     files = target_files(cfg, world)
-    manifest = manifest_for(cfg, files.layer_ids, data_fingerprint(cfg.data, cfg.model.target))
-    store = store_path(cfg, manifest)
+    fingerprint = world.broadcast_to_all(data_fingerprint(cfg.data, cfg.model.target) if world.is_main else None)
+    manifest = manifest_for(cfg, files.layer_ids, fingerprint)
+    store = store_path(cfg, manifest)  # named without num_batches: a run reads the store of a longer build
+    manifest["num_batches"] = total_steps(cfg.train)
     batches, needed = planned_bytes(cfg, files)
     store.mkdir(parents=True, exist_ok=True)
-    with open(store / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another job building this store: wait for it, then find it complete
-        if is_complete(store):
+    # another job building this store: rank 0 waits for it (then finds it complete); its ranks wait for rank 0
+    with open(store / ".build.lock", "w") if world.is_main else nullcontext() as lock:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if world.main_first(lambda: _ready(store, manifest, cfg, world, needed, batches)):
             log.info("feature store %s is complete", store)
             return store
-        writer = StoreWriter(store, {**manifest, "num_batches": batches}, cfg.features.shard_batches)
-        done = writer.done
-        check_free(store, needed * (batches - done) // max(batches, 1), "the feature store")
-        log.info("feature store %s: %d of %d batches to build (%s)", store, batches - done, batches, mib(needed))
-        loaded = target_and_data(cfg, world, files, [str(resolve_device(cfg.model.device))])
-        target = loaded.target
-        with torch.inference_mode(), display().phase("features", batches - done) as phase:
-            for batch in itertools.islice(loaded.data.batches.iterate(0, 0), done, batches):
-                target_hidden, last_hidden = target.features(batch.input_ids.to(target.device))
-                writer.add(batch, target_hidden, last_hidden)
-                phase.advance()
-        writer.close()
+        writer = StoreWriter(store, manifest, cfg.features.shard_batches, world.rank, world.size, setup=False)
+        failure = None
+        try:
+            _write_shards(cfg, world, files, writer, batches)
+        except Exception as e:  # published, so the other ranks stop at their next shard instead of waiting
+            failure = e
+            world.report_failure(f"{type(e).__name__}: {e}")
+        if world.agree(failure is not None):  # every rank's shards are in (or one failed): all say so
+            if failure is not None:
+                raise failure
+            raise RankFailed(world.first_failure() or "another rank failed building the feature store")
+        if world.is_main:
+            writer.close(batches)
+        world.barrier()  # nobody reads the store before rank 0 has listed it complete
     log.info("feature store %s: %d batches written", store, batches)
     return store
+
+
+def _ready(store: Path, manifest: dict, cfg: DictConfig, world: World, needed: int, batches: int) -> bool:
+    """True when the store is complete; else (on rank 0) the manifest checked or written, torn shards removed
+    and the room checked, before any rank writes."""
+    if is_complete(store):
+        return True
+    if world.is_main:
+        writer = StoreWriter(store, manifest, cfg.features.shard_batches)  # the setup: manifest, *.tmp
+        left = len(writer.todo(batches)) * cfg.features.shard_batches
+        check_free(store, needed * min(left, batches) // max(batches, 1), "the feature store")
+        log.info("feature store %s: %d of %d batches to build (%s)", store, min(left, batches), batches, mib(needed))
+    return False
+
+
+def _write_shards(cfg: DictConfig, world: World, files, writer: StoreWriter, batches: int) -> None:
+    """This rank's shards: the target over their global batches, every batch of the run read in order (the data
+    order depends on what came before), the others skipped."""
+    mine = writer.mine(batches)
+    device = world.device if world.distributed else resolve_device(cfg.model.device)
+    loaded = target_and_data(cfg, world, files, [str(device)] if mine else [])
+    target, per_shard, fault = loaded.target, cfg.features.shard_batches, cfg.debug.fail_target_at_batch
+    if cfg.debug.fail_rank is not None and cfg.debug.fail_rank != world.rank:
+        fault = None
+    last = {k: min((k + 1) * per_shard, batches) - 1 for k in mine}
+    stream = itertools.islice(loaded.data.batches.iterate(0, 0), batches)
+    with torch.inference_mode(), display().phase("features", sum(last[k] + 1 - k * per_shard for k in mine)) as phase:
+        for i, batch in enumerate(stream):
+            shard = i // per_shard
+            if shard not in last:
+                if shard > max(last, default=-1):
+                    break
+                continue
+            if fault is not None and i == fault:
+                raise RuntimeError(f"injected fault building batch {i} (debug.fail_target_at_batch), rank {world.rank}")
+            target_hidden, last_hidden = target.features(batch.input_ids.to(target.device))
+            writer.add(batch, target_hidden, last_hidden)
+            phase.advance()
+            if i == last[shard]:
+                writer.commit(shard)
+                if world.first_failure():  # another rank failed: its shards will not come
+                    raise RankFailed(world.first_failure())

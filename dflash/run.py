@@ -24,6 +24,7 @@ from dflash.finish import TrainResult, finish
 from dflash.job import Job, build_job
 from dflash.job_info import JobInfo
 from dflash.model.plan import run_headline
+from dflash.model.target import DTYPES
 from dflash.rundir import RunDir
 from dflash.secrets import redact
 from dflash.tracking import CallbackList, RunInfo, build_callbacks
@@ -100,7 +101,8 @@ def run_pipeline(cfg: DictConfig, job: Job, stop: threading.Event, on_tick) -> s
         if features is not None:  # items come from a target rank; the pipeline's target stage passes them on
             source, target_fn, on_tick = features, _pass_through, _with_sample(on_tick, features.sample)
         elif job.store is not None:  # features=store: items read from the store, passed on as they are
-            source = StoreReader(job.store, job.trainer.next_data, job.device, world.rank, world.size)
+            dtype = DTYPES[cfg.model.dtype]  # fp8 features dequantised to the training dtype on read
+            source = StoreReader(job.store, job.trainer.next_data, job.device, world.rank, world.size, dtype)
             target_fn = _pass_through
         else:
             source = rank_batches(job.data.batches.iterate(*job.trainer.next_data), world.rank, world.size)

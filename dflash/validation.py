@@ -204,7 +204,7 @@ def validate(cfg: DictConfig | Config) -> None:
         c.features.name,
         "a store replaces the target ranks: use parallel.target_ranks=0 with features=store",
     )
-    _one_of("features.dtype", c.features.dtype, ("float32", "bfloat16"))
+    _one_of("features.dtype", c.features.dtype, ("float32", "bfloat16", "fp8"))
     _check(c.features.shard_batches >= 1, "features.shard_batches", c.features.shard_batches, "must be >= 1")
 
 

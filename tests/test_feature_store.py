@@ -5,7 +5,9 @@ changed byte found on read, a killed build resumed to the same store."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, launch
 from test_distributed import max_diff, status, train_records, weights
+
+from dflash.train.feature_store import store_bytes_per_token
 
 pytestmark = pytest.mark.slow
 
@@ -73,6 +77,31 @@ def test_a_changed_byte_in_a_shard_is_found_on_read(store, tmp_path, cache_dir):
     proc = launch([*SETTINGS, "features=store", f"features.path={copy}", f"hydra.run.dir={run_dir}"], cache_dir)
     assert proc.returncode != 0
     assert "shard_00001.safetensors is missing or does not match its sha256" in status(run_dir)["error"]
+
+
+def test_an_fp8_store_is_a_quarter_of_float32_and_trains(store, tmp_path, cache_dir, tiny_target):
+    """features.dtype=fp8: --dry-run prints its bytes (store_bytes_per_token's), the build takes about that, the
+    manifest says fp8, and a run from it trains close to the run from the float32 store (= the online run)."""
+    fp8 = tmp_path / "fp8"
+    args = [*SETTINGS, "features.shard_batches=4", "features.dtype=fp8", f"features.path={fp8}"]
+    dry = build(["--dry-run", *args], cache_dir).stdout
+    planned = int(re.search(r"bytes/token\): (\d+) bytes", dry).group(1))
+    per_token = int(re.search(r"\((\d+) bytes/token\)", dry).group(1))
+    build(args, cache_dir)
+    manifest = json.loads((fp8 / "manifest.json").read_text())
+    assert manifest["features.dtype"] == "fp8"
+    sizes = [sum(s["bytes"] for s in json.loads((p / "index.json").read_text())["shards"]) for p in (fp8, store)]
+    assert planned * 0.9 < sizes[0] <= planned * 1.02, (planned, sizes)  # the estimate, safetensors' headers aside
+    assert sizes[0] < 0.3 * sizes[1]
+    hidden = json.loads((tiny_target / "config.json").read_text())["hidden_size"]
+    assert per_token == store_bytes_per_token(hidden, len(manifest["model.target_layer_ids"]), "fp8")
+    runs = {name: tmp_path / name for name in ("fp32", "fp8run")}
+    for name, path, dtype in (("fp32", store, "float32"), ("fp8run", fp8, "fp8")):
+        where = [f"features.path={path}", f"features.dtype={dtype}", f"hydra.run.dir={runs[name]}"]
+        launch([*SETTINGS, "features=store", *where], cache_dir, check=True)
+    losses = [train_records(runs[n])[-1]["train/loss"] for n in runs]
+    assert math.isfinite(losses[1]) and abs(losses[1] - losses[0]) < 0.05 * losses[0], losses
+    assert 0 < max_diff(weights(runs["fp32"]), weights(runs["fp8run"])) < 0.05  # other features, close weights
 
 
 def test_a_killed_build_resumes_to_the_same_store(tmp_path, cache_dir, tiny_target):

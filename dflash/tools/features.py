@@ -1,19 +1,24 @@
-"""`python -m dflash.features build [--dry-run] [OVERRIDES ...]`: the feature store of the run these Hydra
+"""`python -m dflash.features build [--dry-run] [OVERRIDES ...]` (or `torchrun --nproc-per-node=N -m
+dflash.features build ...`: the shards shared among the ranks): the feature store of the run these Hydra
 overrides describe (the same keys as launch.py: model, data, train.seq_len, train.batch_size, train.max_steps,
 train.seed, features.dtype, features.path). `--dry-run` prints the bytes it will take and whether they fit."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-from dflash.config import register_configs
+from omegaconf import OmegaConf
+
+from dflash.config import ConfigError, register_configs
 from dflash.disk import free_bytes, mib
-from dflash.distributed import World
+from dflash.distributed import World, init_world, launched_distributed, shutdown
 from dflash.feature_build import build_store, planned_bytes
 from dflash.sources import target_files
 from dflash.terminal import install_logging
+from dflash.train.feature_store import store_bytes_per_token
 from dflash.validation import validate
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -42,14 +47,29 @@ def main(argv: list[str] | None = None) -> int:
         batches, needed = planned_bytes(cfg, files)
         where = Path(cfg.features.path or Path(cfg.paths.cache_dir) / "features").expanduser()
         free = free_bytes(where)
+        per_token = store_bytes_per_token(files.config.hidden_size, len(files.layer_ids), cfg.features.dtype)
         print(
             f"feature store: {batches} global batches x {cfg.train.batch_size} x {cfg.train.seq_len} tokens, "
             f"{len(files.layer_ids)} layers + the last hidden state of width {files.config.hidden_size} in "
-            f"{cfg.features.dtype}: {mib(needed)} ({needed / 2**40:.3f} TiB); {mib(free)} free at {where}"
+            f"{cfg.features.dtype} ({per_token} bytes/token): {needed} bytes, {mib(needed)} "
+            f"({needed / 2**40:.3f} TiB); {mib(free)} free at {where}"
         )
         if needed > free:
             print("error: the store would not fit", file=sys.stderr)
             return 1
         return 0
-    print(build_store(cfg))
+    try:
+        print(build_store(cfg, build_world(cfg)))
+    finally:
+        shutdown()  # leave the process group (torchrun)
     return 0
+
+
+def build_world(cfg) -> World:
+    """Under torchrun, the build's ranks: the process group joined with `parallel.backend` (auto: NCCL on CUDA,
+    gloo on CPU) and `parallel.init_timeout_s`, which bounds every wait of the build; else one process."""
+    if not (launched_distributed() and int(os.environ["WORLD_SIZE"]) > 1):
+        return World()
+    if cfg.parallel.get("target_ranks"):
+        raise ConfigError("python -m dflash.features build: parallel.target_ranks does not apply (every rank builds)")
+    return init_world(OmegaConf.merge(cfg.parallel, {"name": "ddp"}), cfg.model.device)

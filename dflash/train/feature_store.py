@@ -29,11 +29,11 @@ import torch
 from dflash.data.batches import Batch, rank_slice
 from dflash.disk import remove_partial
 from dflash.jsonio import read_json, write_json
+from dflash.train.feature_codec import bytes_per_value, decode, encode, scale_bytes
 from dflash.train.trainer import HiddenItem
 
 FEATURE_VERSION = 1  # bump when what a feature is changes (layers' outputs, the final norm, the dtype cast)
 MANIFEST, INDEX = "manifest.json", "index.json"
-STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class StoreMismatch(ValueError):
@@ -71,46 +71,55 @@ def check_manifest(store: Path, expected: dict) -> dict:
 
 
 class StoreWriter:
-    """Appends global batches' features to a store; `open` resumes a build after its last committed shard."""
+    """Writes a store's shards: shard k holds global batches k * shard_batches onwards. `todo` names the shards a
+    resumed build still lacks; under torchrun each rank writes the shards `mine` gives it (no two ranks one shard),
+    records them in its own `index.rank<r>.json`, and rank 0 merges those into index.json once all are done.
+    Only the setup writer (rank 0) writes the manifest and removes torn shards (`*.tmp`), before the others open."""
 
-    def __init__(self, store: Path, manifest: dict, shard_batches: int):
+    def __init__(
+        self, store: Path, manifest: dict, shard_batches: int, rank: int = 0, world_size: int = 1, setup: bool = True
+    ):
         self.store, self.manifest, self.shard_batches = Path(store), manifest, shard_batches
+        self.rank, self.world_size = rank, world_size
         self.store.mkdir(parents=True, exist_ok=True)
-        if (self.store / MANIFEST).exists():
+        if (self.store / MANIFEST).exists() or not setup:
             check_manifest(self.store, manifest)
         else:
             write_json(self.store / MANIFEST, manifest)
-        for partial in self.store.glob("*.tmp"):  # a shard a killed build was writing
-            remove_partial(partial, "a shard a killed build left half-written")
-        self.index = read_json(self.store / INDEX, default=None) or {"shards": [], "complete": False}
+        if setup:
+            for partial in self.store.glob("*.tmp"):  # a shard a killed build was writing
+                remove_partial(partial, "a shard a killed build left half-written")
+        self.entries = {_number(e): e for e in _committed(self.store)}
         self._pending: list[tuple[tuple[int, int], dict[str, torch.Tensor]]] = []
 
-    @property
-    def done(self) -> int:
-        """Global batches committed so far."""
-        return sum(len(s["batches"]) for s in self.index["shards"])
+    def num_shards(self, batches: int) -> int:
+        return -(-batches // self.shard_batches)
+
+    def todo(self, batches: int) -> list[int]:
+        """The shards not yet committed, in order."""
+        return [k for k in range(self.num_shards(batches)) if k not in self.entries]
+
+    def mine(self, batches: int) -> list[int]:
+        """This rank's share of `todo`, dealt round-robin (a resumed build's remainder splits evenly too)."""
+        return self.todo(batches)[self.rank :: self.world_size]
 
     def add(self, batch: Batch, target_hidden: torch.Tensor, last_hidden: torch.Tensor) -> None:
-        dtype = STORE_DTYPES[self.manifest["features.dtype"]]
+        dtype, layers = self.manifest["features.dtype"], len(self.manifest["model.target_layer_ids"])
         lengths = batch.lengths if batch.lengths is not None else torch.full((batch.input_ids.shape[0],), -1)
         tensors = {
             "input_ids": batch.input_ids,
             "loss_mask": batch.loss_mask,
             "lengths": lengths.to(torch.int64),
-            "target_hidden": target_hidden.to(dtype),
-            "last_hidden": last_hidden.to(dtype),
+            **encode("target_hidden", target_hidden, dtype, layers),
+            **encode("last_hidden", last_hidden, dtype, 1),
         }
         self._pending.append(((batch.data_pass, batch.index), {k: v.detach().cpu() for k, v in tensors.items()}))
-        if len(self._pending) >= self.shard_batches:
-            self.flush()
 
-    def flush(self) -> None:
-        """Commit the pending batches as one shard: write, rename, then list it (with its sha256)."""
-        if not self._pending:
-            return
+    def commit(self, number: int) -> None:
+        """The pending batches as shard `number`: write to *.tmp, rename, then record it (with its sha256)."""
         from safetensors.torch import save_file
 
-        name = f"shard_{len(self.index['shards']):05d}.safetensors"
+        name = f"shard_{number:05d}.safetensors"
         tmp = self.store / (name + ".tmp")
         tensors = {f"{i}/{k}": v.contiguous() for i, (_, item) in enumerate(self._pending) for k, v in item.items()}
         try:
@@ -121,23 +130,56 @@ class StoreWriter:
             raise
         path = self.store / name
         entry = {"file": name, "sha256": _sha256(path), "bytes": path.stat().st_size}
-        entry["batches"] = [list(key) for key, _ in self._pending]
-        self.index["shards"].append(entry)
-        write_json(self.store / INDEX, self.index)
+        self.entries[number] = {**entry, "batches": [list(key) for key, _ in self._pending], "rank": self.rank}
         self._pending = []
+        if self.world_size == 1:
+            self._write_index(complete=False)
+        else:  # each rank its own file: no two processes write one
+            write_json(self.store / f"index.rank{self.rank}.json", {"shards": self._sorted()})
 
-    def close(self) -> None:
-        self.flush()
-        self.index["complete"] = True
-        write_json(self.store / INDEX, self.index)
+    def close(self, batches: int) -> None:
+        """After every rank's shards are committed (one writer, rank 0): index.json lists them all, complete."""
+        self.entries = {_number(e): e for e in _committed(self.store)}
+        missing = self.todo(batches)
+        if missing:
+            raise StoreCorrupt(f"feature store {self.store}: shards {missing} were not written")
+        self._write_index(complete=True)
+        for part in self.store.glob("index.rank*.json"):
+            part.unlink()
+
+    def _sorted(self) -> list[dict]:
+        return [self.entries[k] for k in sorted(self.entries)]
+
+    def _write_index(self, complete: bool) -> None:
+        write_json(self.store / INDEX, {"shards": self._sorted(), "complete": complete})
+
+
+def _number(entry: dict) -> int:
+    return int(entry["file"].removeprefix("shard_").removesuffix(".safetensors"))
+
+
+def _committed(store: Path) -> list[dict]:
+    """The shards index.json and every rank's index.rank<r>.json list (a torchrun build killed before its merge)."""
+    parts = [store / INDEX, *sorted(store.glob("index.rank*.json"))]
+    return [e for p in parts for e in (read_json(p, default=None) or {}).get("shards", [])]
 
 
 class StoreReader:
     """The stored HiddenItems from the batch at `start` = (pass, index) on, this rank's rows of each, on
-    `device`. Each shard's sha256 is verified when it is first opened."""
+    `device`, the features in `dtype` (the training dtype; None: as stored, fp8 dequantised to float32). Each
+    shard's sha256 is verified when it is first opened."""
 
-    def __init__(self, store: Path, start: tuple[int, int], device: torch.device, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        store: Path,
+        start: tuple[int, int],
+        device: torch.device,
+        rank: int = 0,
+        world_size: int = 1,
+        dtype: torch.dtype | None = None,
+    ):
         self.store, self.device, self.rank, self.world_size = Path(store), device, rank, world_size
+        self.dtype = dtype
         index = read_json(self.store / INDEX, default=None)
         if not isinstance(index, dict) or not index.get("complete"):
             raise StoreCorrupt(f"feature store {store}: its build is not complete (python -m dflash.features build)")
@@ -165,24 +207,33 @@ class StoreReader:
                 seen += len(shard["batches"])
                 continue
             with self._open(shard) as f:
+                keys = set(f.keys())
                 for i, (data_pass, index) in enumerate(shard["batches"]):
                     if seen + i >= self.position:
-                        yield self._item(f, i, data_pass, index)
+                        yield self._item(f, keys, i, data_pass, index)
             seen += len(shard["batches"])
 
-    def _item(self, f, i: int, data_pass: int, index: int) -> HiddenItem:
-        t = {k: f.get_tensor(f"{i}/{k}") for k in ("input_ids", "loss_mask", "lengths", "target_hidden", "last_hidden")}
+    def _item(self, f, keys: set[str], i: int, data_pass: int, index: int) -> HiddenItem:
+        t = {k: f.get_tensor(f"{i}/{k}") for k in ("input_ids", "loss_mask", "lengths")}
         lengths = None if int(t["lengths"][0]) < 0 else t["lengths"]
         ids = t["input_ids"]
         tokens = ids.numel() if lengths is None else int(lengths.sum())
         whole = Batch(ids, t["loss_mask"], tokens, data_pass, index, lengths=lengths)
         part = rank_slice(whole, self.rank, self.world_size) if self.world_size > 1 else whole
         rows = slice(part.row_start, part.row_start + part.input_ids.shape[0])
+        shard_keys = {k.split("/", 1)[1] for k in keys if k.startswith(f"{i}/")}
+
+        def read(name: str) -> torch.Tensor:  # this rank's rows only, before fp8 is dequantised
+            return f.get_tensor(f"{i}/{name}")[rows]
+
+        t["target_hidden"], t["last_hidden"] = (
+            decode(read, n, self.dtype, shard_keys) for n in ("target_hidden", "last_hidden")
+        )
         return HiddenItem(
             input_ids=part.input_ids.to(self.device),
             loss_mask=part.loss_mask.to(self.device),
-            target_hidden=t["target_hidden"][rows].to(self.device),
-            last_hidden=t["last_hidden"][rows].to(self.device),
+            target_hidden=t["target_hidden"].to(self.device),
+            last_hidden=t["last_hidden"].to(self.device),
             num_tokens=part.num_tokens,
             data_pass=data_pass,
             index=index,
@@ -193,8 +244,9 @@ class StoreReader:
 
 
 def store_bytes_per_token(hidden_size: int, num_layers: int, dtype: str) -> int:
-    """Bytes a token takes in a store: the layers' features and the last hidden state, plus id and mask."""
-    return (num_layers + 1) * hidden_size * torch.tensor([], dtype=STORE_DTYPES[dtype]).element_size() + 9
+    """Bytes a token takes in a store: the layers' features and the last hidden state (with fp8 their per-token
+    scales), plus its id (int64) and loss mask (bool)."""
+    return (num_layers + 1) * (hidden_size * bytes_per_value(dtype) + scale_bytes(dtype)) + 9
 
 
 def manifest_for(cfg, layer_ids: list[int], data_fingerprint: dict | None) -> dict:
