@@ -78,3 +78,24 @@ def test_an_fp8_store_reads_back_in_the_training_dtype(tmp_path):
     with safe_open(str(tmp_path / "shard_00000.safetensors"), framework="pt") as f:  # fp8 on disk, scales beside
         assert f.get_tensor("0/target_hidden").dtype == torch.float8_e4m3fn
         assert f.get_tensor("0/target_hidden_scale").shape == (4, 8, 2)  # a scale per token and layer
+
+
+def test_the_manifest_records_the_tokenizer_and_rendering_and_a_change_is_named(tmp_path, tiny_target):
+    """The manifest holds the tokenizer files' hashes and the rendering version, and a store whose rendering
+    version differs from the run's is refused naming that key with both values."""
+    from omegaconf import OmegaConf
+
+    from dflash.config import Config
+    from dflash.data.chat_dataset import RENDER_VERSION
+    from dflash.train.feature_store import StoreMismatch, check_manifest, manifest_for
+
+    cfg = OmegaConf.structured(Config)
+    cfg.model.target = str(tiny_target)
+    manifest = manifest_for(cfg, [1, 3], None)
+    assert set(manifest["tokenizer"]) >= {"tokenizer.json", "tokenizer_config.json"}
+    assert manifest["data.render_version"] == RENDER_VERSION
+    (tmp_path / "manifest.json").write_text(json.dumps({**manifest, "data.render_version": RENDER_VERSION - 1}))
+    with pytest.raises(
+        StoreMismatch, match=rf"data.render_version: store {RENDER_VERSION - 1} vs run {RENDER_VERSION}"
+    ):
+        check_manifest(tmp_path, manifest)

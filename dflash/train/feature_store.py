@@ -2,7 +2,8 @@
 build`) and read by every job of a sweep instead of running the target (`features=store`).
 
     <store>/manifest.json   what the features are of: target files, layer ids, dtype, seq_len, batch size, seed,
-                            the data fingerprint, the feature definition's version, the number of batches
+                            the data settings and fingerprint, the tokenizer's files, the rendering version,
+                            the feature definition's version, the number of batches
     <store>/index.json      the committed shards, in order: file, sha256, bytes, the (pass, index) of each batch
     <store>/shard_00000.safetensors ...   `shard_batches` global batches each: input_ids, loss_mask, lengths,
                             target_hidden, last_hidden (safetensors: memory-mapped on read, one header)
@@ -253,9 +254,11 @@ def manifest_for(cfg, layer_ids: list[int], data_fingerprint: dict | None) -> di
     """What a run's features are of: the store it may read must say the same (num_batches aside)."""
     from omegaconf import OmegaConf
 
-    from dflash.data.fingerprint import file_hash
+    from dflash.data.chat_dataset import RENDER_VERSION
+    from dflash.data.fingerprint import TOKENIZER_FILES, file_hash
 
     target = Path(cfg.model.target).expanduser()
+    tokenizer = {f: file_hash(target / f) for f in TOKENIZER_FILES if (target / f).is_file()} or {"hub": str(target)}
     files = ("config.json", "model.safetensors", "model.safetensors.index.json")
     return {
         "feature_version": FEATURE_VERSION,
@@ -268,6 +271,8 @@ def manifest_for(cfg, layer_ids: list[int], data_fingerprint: dict | None) -> di
         "train.seed": cfg.train.seed,
         "data": OmegaConf.to_container(cfg.data, resolve=True),
         "data_fingerprint": data_fingerprint,
+        "tokenizer": tokenizer,  # also inside the data fingerprint; here on its own so a refusal names it
+        "data.render_version": RENDER_VERSION,  # how data=jsonl conversations become token ids and masks
     }
 
 
