@@ -24,13 +24,15 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash.model.plan import KNOWN_TARGETS
+
 CONF_MODEL = Path(__file__).resolve().parents[2] / "conf" / "model"
 H200_BF16_TFLOPS = 989.4  # dense bf16 peak, no sparsity (as the pipeline bench uses)
 
 
 @dataclass(frozen=True)
 class TargetShape:
-    """A target's published config.json numbers and its parameter count (the model card's)."""
+    """A target's published config.json numbers and its parameter count, with the model preset that names it."""
 
     preset: str  # conf/model/<preset>.yaml: the drafter settings the framework uses for it
     params: float
@@ -43,10 +45,18 @@ class TargetShape:
     vocab: int
 
 
+def _published(preset: str, hub_name: str) -> TargetShape:
+    """The shape `python -m dflash.plan` knows for a hub target (one table of published shapes)."""
+    s = KNOWN_TARGETS[hub_name]
+    return TargetShape(
+        preset, float(s.total_params), s.hidden, s.intermediate, s.layers, s.heads, s.kv_heads, s.head_dim, s.vocab
+    )
+
+
 TARGETS = {
-    "Qwen3-8B": TargetShape("qwen3_8b", 8.19e9, 4096, 12288, 36, 32, 8, 128, 151936),
-    # Qwen3.6-27B: the shape of Qwen3.5-27B's published config (64 layers, 24 heads of 256, 4 KV heads), ~27B
-    "Qwen3.6-27B": TargetShape("qwen3_6_27b", 27e9, 5120, 17408, 64, 24, 4, 256, 248320),
+    "Qwen3-8B": _published("qwen3_8b", "Qwen/Qwen3-8B"),
+    # Qwen3.6-27B: 64 layers, 24 heads of 256, 4 KV heads, hybrid attention; its total is the published ~27B
+    "Qwen3.6-27B": _published("qwen3_6_27b", "Qwen/Qwen3.6-27B"),
 }
 STORE_DTYPES = ("float32", "bfloat16", "fp8")
 
