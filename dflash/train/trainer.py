@@ -283,9 +283,9 @@ class DrafterTrainer:
         out = self.model(noise_embedding, target_hidden, blocks.position_ids, attention_mask=blocks.attention_mask)
         bsz, n = anchors.shape
         draft_hidden = out.view(bsz, n, B, -1)[:, :, 1:].reshape(bsz * n, B - 1, -1)  # slots 1..B-1
-        teacher_hidden = None
-        if cfg.loss.name != "ce_decay":
-            teacher_hidden = gather_positions(item.last_hidden, blocks.teacher_positions).reshape(bsz * n, B - 1, -1)
+        # every loss gets the target's last hidden states: the KL losses' soft labels, and the target's argmax
+        # that train/sim_tau compares the draft's with (greedy verification)
+        teacher_hidden = gather_positions(item.last_hidden, blocks.teacher_positions).reshape(bsz * n, B - 1, -1)
         lo = cfg.loss
         return dflash_loss(
             draft_hidden,
@@ -298,6 +298,7 @@ class DrafterTrainer:
             kl_temperature=lo.kl_temperature,
             kl_weight=lo.kl_weight,
             streak_alpha=lo.streak_alpha,
+            dpace_alpha=lo.dpace_alpha,
             teacher_hidden=teacher_hidden,
             chunk_size=lo.chunk_size,
             # data parallelism: every rank divides by the global weight sum (SpecForge PR #731's fix)
