@@ -91,3 +91,21 @@ def test_dpace_with_kl_needs_teacher() -> None:
     kw = dict(loss_name="dpace", block_size=3, decay_gamma=None, kl_temperature=1.0, kl_weight=0.5, streak_alpha=0.0)
     with pytest.raises(ValueError, match="teacher_hidden"):
         dflash_loss(h, torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool), torch.eye(3), **kw)
+
+
+def test_sim_tau_counts_target_argmax_streaks() -> None:
+    """train/sim_tau: per block 1 + leading positions where the draft's argmax is the target's (greedy
+    verification), beside avg_streak (the data's tokens); summed over steps like the other counts."""
+    from dflash.train.block_metrics import BlockMetricsAccumulator, block_metrics
+
+    correct = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    target_correct = torch.tensor([[1, 1, 1, 0], [1, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    valid = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.bool)  # row 3: padding
+    m = block_metrics(correct, valid, target_correct)
+    assert m["train/avg_streak"] == pytest.approx(2.0)  # streaks 3 and 1
+    assert m["train/sim_tau"] == pytest.approx((4 + 2) / 2)  # leading target hits 3 and 1
+    assert "train/sim_tau" not in block_metrics(correct, valid)  # without the target's argmax: no estimate
+    acc = BlockMetricsAccumulator()
+    acc.update(correct[:1], valid[:1], target_correct[:1])
+    acc.update(correct[1:], valid[1:], target_correct[1:])
+    assert acc.compute() == pytest.approx(m)

@@ -375,7 +375,7 @@ class DrafterTrainer:
             [
                 torch.stack([out.loss.detach().float(), out.loss_ce.float(), out.loss_kl.float()]).cpu().double(),
                 torch.tensor([float(self.world.distributed and self.stop_requested())], dtype=torch.float64),
-                BlockMetricsAccumulator.counts(out.correct, out.valid).cpu().double(),
+                BlockMetricsAccumulator.counts(out.correct, out.valid, out.target_correct).cpu().double(),
             ]
         )
         total = self.world.all_reduce(local)
@@ -418,6 +418,7 @@ class DrafterTrainer:
             "bad_in_row": self.bad_in_row,
             "next_data": list(self.next_data),
             "recent": [list(map(float, r)) for r in self.recent],
+            "recent_layout": 2,  # 2: block counts end with the sim_tau counts
         }
 
     def load_counters(self, state: dict) -> None:
@@ -427,7 +428,8 @@ class DrafterTrainer:
         self.bad_in_row = int(state.get("bad_in_row", 0))
         self.next_data = tuple(state["next_data"])
         self.recent.clear()
-        self.recent.extend(state.get("recent", []))
+        if state.get("recent_layout") == 2:  # an older checkpoint's rows lack the sim_tau counts: start afresh
+            self.recent.extend(state.get("recent", []))
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), **self.counters()}
