@@ -63,7 +63,8 @@ def setup(tmp_path_factory):
     drafter = DFlashDraftModel(cfg).eval()
     with torch.no_grad():
         drafter.norm.weight.zero_()
-    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in ("def foo(x):\n    return x + 1\n", "import os\n")]
+    texts = ("def foo(x):\n    return x + 1\n", "import os\n")
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     yield target, drafter, prompts
     torch.set_num_threads(before)
 
