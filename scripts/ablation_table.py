@@ -3,9 +3,10 @@
     python scripts/ablation_table.py [SWEEP_DIR] [--readme README.md]
 
 It runs `python -m dflash.compare SWEEP_DIR --group-by --format markdown` (mean, std and 95% interval over the
-seeds of each configuration, and whether a group is within noise of the best) and puts its output, with the
-command, the machine and the date, between the README's `<!-- ablation_loss:begin -->` and `:end -->` markers.
-No number is copied by hand.
+seeds of each configuration, and the paired difference against the best group with its interval) and
+`python -m dflash.compare SWEEP_DIR --rank-corr ...` (Spearman's rho of the teacher-forced estimates with real
+tau over the runs and over every eval record), and puts both, with the commands, the machine and the date,
+between the README's `<!-- ablation_loss:begin -->` and `:end -->` markers. No number is copied by hand.
 """
 
 from __future__ import annotations
@@ -20,12 +21,26 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- ablation_loss:begin -->", "<!-- ablation_loss:end -->"
-METRICS = "eval/tau,train/avg_streak"  # train/loss is not comparable across losses
+# train/loss is not comparable across losses
+METRICS = "eval/tau,bench/humaneval/tau,bench/sharegpt/tau,train/avg_streak,train/sim_tau,eval/sim_tau_greedy"
+ESTIMATES = "train/avg_streak,train/sim_tau,eval/sim_tau,eval/avg_streak_data,eval/sim_tau_greedy"
+REALS = "eval/tau,bench/humaneval/tau,bench/sharegpt/tau"
 
 
 def table(sweep: Path, metrics: str) -> str:
     cmd = [sys.executable, "-m", "dflash.compare", str(sweep), "--group-by", "--format", "markdown"]
     cmd += ["--metrics", metrics, "--sort", "eval/tau"]
+    return _run(cmd) + "\n\n" + _run(rank_corr_command(sweep))
+
+
+def rank_corr_command(sweep: Path) -> list[str]:
+    return [sys.executable, "-m", "dflash.compare", str(sweep), "--rank-corr", f"{ESTIMATES}:{REALS}"] + [
+        "--format",
+        "markdown",
+    ]
+
+
+def _run(cmd: list[str]) -> str:
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr.strip()}")
@@ -40,7 +55,8 @@ def block(sweep: Path, text: str, metrics: str) -> str:
     when = datetime.date.today().isoformat()
     return (
         f"{BEGIN}\n`make ablation` ({when}, {cpu_model()}, {os.cpu_count()} cores; "
-        f"`python -m dflash.compare {shown} --group-by --format markdown --metrics {metrics} --sort eval/tau`):\n\n"
+        f"`python -m dflash.compare {shown} --group-by --format markdown --metrics {metrics} --sort eval/tau`, then "
+        f"`python -m dflash.compare {shown} --rank-corr {ESTIMATES}:{REALS} --format markdown`):\n\n"
         f"{text}\n{END}"
     )
 
