@@ -27,17 +27,26 @@ ESTIMATES = "train/avg_streak,train/sim_tau,eval/sim_tau,eval/avg_streak_data,ev
 REALS = "eval/tau,bench/humaneval/tau,bench/sharegpt/tau"
 
 
-def table(sweep: Path, metrics: str) -> str:
+def table(sweep: Path, metrics: str, rank_corr: str | None) -> str:
     cmd = [sys.executable, "-m", "dflash.compare", str(sweep), "--group-by", "--format", "markdown"]
     cmd += ["--metrics", metrics, "--sort", "eval/tau"]
-    return _run(cmd) + "\n\n" + _run(rank_corr_command(sweep))
+    text = _run(cmd)
+    if rank_corr:
+        cmd = [sys.executable, "-m", "dflash.compare", str(sweep), "--rank-corr", rank_corr, "--format", "markdown"]
+        text += "\n\n" + _run(cmd)
+    return text
 
 
-def rank_corr_command(sweep: Path) -> list[str]:
-    return [sys.executable, "-m", "dflash.compare", str(sweep), "--rank-corr", f"{ESTIMATES}:{REALS}"] + [
-        "--format",
-        "markdown",
-    ]
+def rank_corr_spec(sweep: Path, estimates: str, reals: str) -> str | None:
+    """EST:REAL for compare --rank-corr with the names some run has; None when a side has none."""
+    sys.path.insert(0, str(REPO))
+    from dflash.rundir import find_runs
+    from dflash.tools.compare import known_keys
+
+    known = known_keys(find_runs([sweep]))
+    est = [k for k in estimates.split(",") if k in known]
+    real = [k for k in reals.split(",") if k in known]
+    return f"{','.join(est)}:{','.join(real)}" if est and real else None
 
 
 def _run(cmd: list[str]) -> str:
@@ -47,7 +56,7 @@ def _run(cmd: list[str]) -> str:
     return out.stdout.strip()
 
 
-def block(sweep: Path, text: str, metrics: str) -> str:
+def block(sweep: Path, text: str, metrics: str, rank_corr: str | None) -> str:
     sys.path.insert(0, str(REPO))
     from dflash.machine import cpu_model
 
@@ -55,8 +64,9 @@ def block(sweep: Path, text: str, metrics: str) -> str:
     when = datetime.date.today().isoformat()
     return (
         f"{BEGIN}\n`make ablation` ({when}, {cpu_model()}, {os.cpu_count()} cores; "
-        f"`python -m dflash.compare {shown} --group-by --format markdown --metrics {metrics} --sort eval/tau`, then "
-        f"`python -m dflash.compare {shown} --rank-corr {ESTIMATES}:{REALS} --format markdown`):\n\n"
+        f"`python -m dflash.compare {shown} --group-by --format markdown --metrics {metrics} --sort eval/tau`"
+        + (f", then `python -m dflash.compare {shown} --rank-corr {rank_corr} --format markdown`" if rank_corr else "")
+        + "):\n\n"
         f"{text}\n{END}"
     )
 
@@ -66,15 +76,18 @@ def main() -> int:
     p.add_argument("sweep", nargs="?", type=Path, default=REPO / "outputs" / "ablation_loss")
     p.add_argument("--readme", type=Path, default=REPO / "README.md")
     p.add_argument("--metrics", default=METRICS, help=f"compare's --metrics (default {METRICS})")
+    p.add_argument("--estimates", default=ESTIMATES, help=f"--rank-corr's estimates (default {ESTIMATES})")
+    p.add_argument("--reals", default=REALS, help=f"--rank-corr's real metrics (default {REALS})")
     args = p.parse_args()
     if not (args.sweep / "sweep.json").exists():
         raise SystemExit(f"{args.sweep}: no sweep.json (run `make ablation` or pass the sweep directory)")
     readme = args.readme.read_text()
     if BEGIN not in readme or END not in readme:
         raise SystemExit(f"{args.readme}: no {BEGIN} ... {END} markers")
+    spec = rank_corr_spec(args.sweep, args.estimates, args.reals)
     new = re.sub(
         re.escape(BEGIN) + ".*?" + re.escape(END),
-        lambda _: block(args.sweep.resolve(), table(args.sweep, args.metrics), args.metrics),
+        lambda _: block(args.sweep.resolve(), table(args.sweep, args.metrics, spec), args.metrics, spec),
         readme,
         flags=re.S,
     )
