@@ -8,7 +8,7 @@ import torch
 
 from dflash.evaluation.decoding import speculative_generate
 from dflash.evaluation.evaluator import evaluate
-from dflash.evaluation.sim_tau import block_accept_lengths
+from dflash.evaluation.sim_tau import block_accept_lengths, replay
 
 B = 4
 
@@ -77,12 +77,9 @@ def test_replayed_blocks_equal_real_decoding(setup) -> None:
         sim, data = block_accept_lengths(target, drafter, list(prompt) + real.tokens, len(prompt), B)
         assert len(sim) == len(real.tokens) - B + 1  # one block per anchor whose block fits
         # walk the anchors real decoding visits: each block's estimate is that cycle's accepted length
-        anchor, replay = 0, []
-        while anchor < len(sim):
-            replay.append(sim[anchor])
-            anchor += sim[anchor]
-        assert replay == real.accept_lengths[: len(replay)]
-        assert len(replay) >= len(real.accept_lengths) - 1  # only the last, cut-short cycle has no full block
+        replayed = replay(sim)
+        assert replayed == real.accept_lengths[: len(replayed)]
+        assert len(replayed) >= len(real.accept_lengths) - 1  # only the last, cut-short cycle has no full block
         assert set(real.accept_lengths) - {1}  # not a trivial case: some cycles accept drafts
         # on the target's own greedy text the data's token is the target's argmax
         assert sim == data
@@ -91,8 +88,11 @@ def test_replayed_blocks_equal_real_decoding(setup) -> None:
 def test_evaluate_reports_the_estimates(setup) -> None:
     target, drafter, prompts = setup
     m = evaluate(target, drafter, prompts, max_new_tokens=24, block_size=B, baselines=False, warmup=False, sim_tau=True)
-    for key in ("eval/sim_tau", "eval/sim_tau_greedy", "eval/avg_streak_data"):
+    for key in ("eval/sim_tau", "eval/sim_tau_greedy", "eval/avg_streak_data", "eval/sim_tau_replay"):
         assert 1.0 <= m[key] <= B, key
+    # greedy and lossless: the replay is real tau but for each prompt's last cycle, cut short by max_new_tokens
+    assert m["eval/lossless"] == 1.0
+    assert m["eval/sim_tau_replay"] == pytest.approx(m["eval/tau"], abs=0.35)
     assert "eval/sim_tau" not in evaluate(
         target, drafter, prompts, max_new_tokens=8, block_size=B, baselines=False, warmup=False
     )

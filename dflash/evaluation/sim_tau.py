@@ -10,10 +10,15 @@ eval prompt:
 - eval/sim_tau:        the prompt's own text (held-out data), anchors from B on: the training distribution.
 - eval/sim_tau_greedy: the prompt and the target's own continuation of it (the target-only generation of
                        the same eval), anchors from the prompt's end on: the text real tau is measured on.
+- eval/sim_tau_replay: the same blocks, only at the anchors greedy decoding visits (each next anchor is the
+                       last one plus its accepted length). At temperature 0 this is real tau, from parallel
+                       forward passes: the target's continuation does not depend on the drafter, so it can be
+                       generated once and every later drafter scored without sequential decoding.
 
 eval/avg_streak_data counts the data's token instead of the target's argmax on the prompt text, as
-`train/avg_streak` does. Blocks are averaged uniformly over anchors, whereas real decoding visits the
-anchors its own accepted lengths lead to; that and the argmax of a batched forward are the remaining gaps.
+`train/avg_streak` does. sim_tau and sim_tau_greedy average uniformly over anchors, whereas real decoding
+visits the anchors its own accepted lengths lead to: long accepted runs cover many anchors but one cycle,
+so the uniform mean overestimates tau where acceptance varies along the text.
 """
 
 from __future__ import annotations
@@ -69,6 +74,15 @@ def block_accept_lengths(
     return sim, data
 
 
+def replay(lengths: Sequence[int]) -> list[int]:
+    """The accepted lengths at the anchors greedy decoding visits, from the first anchor's on."""
+    out, anchor = [], 0
+    while anchor < len(lengths):
+        out.append(lengths[anchor])
+        anchor += lengths[anchor]
+    return out
+
+
 def sim_tau_metrics(
     target_model: nn.Module,
     drafter: DFlashDraftModel,
@@ -76,21 +90,25 @@ def sim_tau_metrics(
     continuations: Sequence[Sequence[int]] | None,
     block_size: int,
 ) -> dict[str, float]:
-    """eval/sim_tau and eval/avg_streak_data on the prompts' text; eval/sim_tau_greedy on each prompt followed by
-    its continuation (the target's own output), when given. Keys without a block that fits are left out."""
-    sim_text, data_text, sim_greedy = [], [], []
+    """eval/sim_tau and eval/avg_streak_data on the prompts' text; eval/sim_tau_greedy and eval/sim_tau_replay on
+    each prompt followed by its continuation (the target's own output), when given. Keys without a block that
+    fits are left out."""
+    sim_text, data_text, sim_greedy, replayed = [], [], [], []
     for i, prompt in enumerate(prompts):
         s, d = block_accept_lengths(target_model, drafter, prompt, block_size, block_size)
         sim_text += s
         data_text += d
         if continuations is not None:
             seq = list(prompt) + list(continuations[i])
-            sim_greedy += block_accept_lengths(target_model, drafter, seq, len(prompt), block_size)[0]
+            lengths = block_accept_lengths(target_model, drafter, seq, len(prompt), block_size)[0]
+            sim_greedy += lengths
+            replayed += replay(lengths)
     out = {}
     for key, values in (
         ("eval/sim_tau", sim_text),
         ("eval/avg_streak_data", data_text),
         ("eval/sim_tau_greedy", sim_greedy),
+        ("eval/sim_tau_replay", replayed),
     ):
         if values:
             out[key] = sum(values) / len(values)
