@@ -28,7 +28,7 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 # Allowed values: the one home of each list. validate() checks against them; the modules that dispatch on
 # them and the CLIs import them from here.
-LOSS_NAMES = ("ce_decay", "kl", "kl_streak")
+LOSS_NAMES = ("ce_decay", "kl", "kl_streak", "dpace")
 SCHEDULE_NAMES = ("cosine", "constant", "wsd")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 ATTENTION_NAMES = ("auto", "sdpa", "flex")
@@ -93,11 +93,12 @@ class ModelConfig:
 
 @dataclass
 class LossConfig:
-    name: str = "kl_streak"  # ce_decay | kl | kl_streak
+    name: str = "kl_streak"  # ce_decay | kl | kl_streak | dpace
     decay_gamma: float | None = None  # null = 7 / 5 / 4 for block 16 / 10 / 8
     kl_temperature: float = 1.0
     kl_weight: float = 0.5  # share of the T^2-scaled KL term; 1 - kl_weight goes to hard-label CE
-    streak_alpha: float = 0.5  # D-PACE mixing; 0 = plain decay weights
+    streak_alpha: float = 0.5  # kl_streak's mixing of the streak multiplier; 0 = plain decay weights
+    dpace_alpha: float = 0.5  # dpace's confidence smoothing q~ = (1 - alpha) q + alpha (the peers' default)
     chunk_size: int = 256  # positions per fused LM-head + loss chunk
 
 

@@ -95,6 +95,7 @@ def validate(cfg: DictConfig | Config) -> None:
     )
     _check(0.0 <= lo.kl_weight <= 1.0, "loss.kl_weight", lo.kl_weight, "must be in [0, 1]")
     _check(0.0 <= lo.streak_alpha <= 1.0, "loss.streak_alpha", lo.streak_alpha, "must be in [0, 1] (0 = decay only)")
+    _check(0.0 <= lo.dpace_alpha <= 1.0, "loss.dpace_alpha", lo.dpace_alpha, "must be in [0, 1]")
     _check(lo.chunk_size >= 1, "loss.chunk_size", lo.chunk_size, "must be >= 1")
 
     s = c.schedule

@@ -478,10 +478,12 @@ def test_ablation_script_writes_the_grouped_table_into_the_readme(seeds_dir: Pat
     readme = tmp_path / "README.md"
     readme.write_text("before\n<!-- ablation_loss:begin -->\nold\n<!-- ablation_loss:end -->\nafter\n")
     script = Path(__file__).resolve().parents[1] / "scripts" / "ablation_table.py"
-    args = [str(seeds_dir), "--readme", str(readme), "--metrics", "eval/tau,train/loss"]
+    args = [str(seeds_dir), "--readme", str(readme), "--metrics", "eval/tau,train/loss", "--estimates", "train/loss"]
     subprocess.run([sys.executable, str(script), *args], check=True)
     text = readme.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
     rows = [line for line in text.splitlines() if line.startswith("| 2 ") or line.startswith("| 1 ")]
-    assert len(rows) == 2 and "| 3.5 |" in rows[0] and "best" in rows[0]  # sorted by mean tau, best first
-    assert "eval/tau ci95" in text and "--group-by" in text
+    # a table per metric, each with its paired differences against its best
+    assert len(rows) == 4 and "| 3.5 |" in rows[0] and "best" in rows[0]  # sorted by mean tau, best first
+    assert "eval/tau ci95" in text and "train/loss Δ best" in text and "--group-by" in text
+    assert "--rank-corr train/loss:eval/tau" in text and "rho (runs)" in text  # the names the runs have

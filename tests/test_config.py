@@ -59,6 +59,7 @@ def test_published_shapes():
         ("model.block_size=1", "model.block_size"),
         ("loss.kl_temperature=0", "loss.kl_temperature"),
         ("loss.streak_alpha=-0.5", "loss.streak_alpha"),
+        ("loss.dpace_alpha=1.5", "loss.dpace_alpha"),
         ("schedule.noise_start=0.1", None),  # noise_end 0 <= 0.1 is fine
         ("schedule.noise_end=0.5", "schedule.noise_end"),  # end above start (0)
         ("train.seq_len=8", "train.seq_len"),

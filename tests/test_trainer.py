@@ -114,7 +114,8 @@ def test_logged_lr_is_the_lr_of_the_last_step_taken(parts):
 
 def test_bench_flop_count_sees_the_fused_lm_head(parts, tiny_target):
     """The bench's MFU rests on FlopCounterMode counting the matmuls inside the chunked LM-head loss (a custom
-    autograd function): the KL loss must add exactly the teacher's logits, 2 * labels * hidden * vocab."""
+    autograd function). Every loss computes the teacher's logits (the KL's soft labels, train/sim_tau's target
+    argmax), so ce_decay and kl count the same matmuls: draft logits, their gradient and the teacher's logits."""
     from dflash.tools.bench.pipeline import drafter_step_flops
 
     cfg, target, _, mask_id = parts
@@ -127,5 +128,5 @@ def test_bench_flop_count_sees_the_fused_lm_head(parts, tiny_target):
         flops[loss] = drafter_step_flops(DrafterTrainer(cfg, target, drafter, mask_id, total_steps=10), item)
     labels = item.input_ids.shape[0] * cfg.train.num_anchors * (cfg.model.block_size - 1)
     lm_head = 2 * labels * target.model.config.hidden_size * target.model.config.vocab_size
-    assert flops["kl"] - flops["ce_decay"] == lm_head
-    assert flops["ce_decay"] > 2 * lm_head  # logits forward + gradient w.r.t. the draft hidden states, at least
+    assert flops["kl"] == flops["ce_decay"]
+    assert flops["ce_decay"] > 3 * lm_head  # draft logits, their gradient and the teacher's logits, at least

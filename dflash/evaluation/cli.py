@@ -211,6 +211,7 @@ def _run_cli(args: argparse.Namespace) -> dict[str, Any]:
         seed=seed,
         eos_id=tokenizer.eos_token_id,
         tokenizer=tokenizer,
+        sim_tau=True,
     )
     write_eval_json(
         args.out,

@@ -28,6 +28,7 @@ from dflash.evaluation.decoding import (
     prompt_lookup_generate,
     speculative_generate,
 )
+from dflash.evaluation.sim_tau import sim_tau_metrics
 from dflash.model.build import init_drafter
 from dflash.model.drafter import DFlashDraftModel
 from dflash.repetition import degenerate_share, is_degenerate
@@ -94,6 +95,7 @@ def evaluate(
     eos_id: EosIds = None,
     tokenizer: Any = None,
     warmup: bool = True,
+    sim_tau: bool = False,
 ) -> dict[str, Any]:
     """Speculative decoding of every prompt with the drafter, the target alone and the baselines.
 
@@ -109,6 +111,8 @@ def evaluate(
     block_size: None = the drafter's. eos_id: stop token(s); None = always generate max_new_tokens.
     tokenizer: optional, adds prompt/output text lengths and the output text to `details`.
     warmup: one short untimed generation first, so lazy initialisation does not count against the first method.
+    sim_tau: add the teacher-forced estimates eval/sim_tau, eval/avg_streak_data (prompt text) and
+    eval/sim_tau_greedy (prompt + the target-only output), `dflash.evaluation.sim_tau`.
     The drafter is evaluated in eval mode under no_grad and put back in its previous mode afterwards.
     """
     if not prompts:
@@ -151,12 +155,16 @@ def evaluate(
             }
             target_only, dflash = results["target only"], results["dflash"]
             lookup, untrained = results["prompt lookup"], results["untrained"]
+            estimates = {}
+            if sim_tau:  # after the timed runs: the same prompts, the target's own continuations of them
+                estimates = sim_tau_metrics(model, drafter, prompts, [r.tokens for r in target_only], block_size)
     finally:
         for d, mode in zip(drafters, modes):
             d.train(mode)
 
     stats = acceptance_stats([r.accept_lengths for r in dflash], block_size)
     metrics: dict[str, Any] = {f"eval/{k}": v for k, v in stats.items()}
+    metrics.update(estimates)
     tok_s, tok_s_target = _tok_s(dflash), _tok_s(target_only)
     metrics["eval/tok_s"] = tok_s
     metrics["eval/tok_s_target_only"] = tok_s_target
@@ -333,6 +341,7 @@ class Evaluator:
             seed=self.seed,
             eos_id=self.tokenizer.eos_token_id,
             tokenizer=self.tokenizer,
+            sim_tau=True,
         )
         details = result.pop("details", None)
         metrics = {k: float(v) for k, v in result.items() if isinstance(v, (int, float))}

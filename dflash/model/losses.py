@@ -10,10 +10,14 @@ needed) d(per-position loss)/d(draft hidden) right away, so backward is a per-ro
 [P, H] tensor and no logits are recomputed. `dflash_loss_naive` is the same maths on full logits, the
 reference for tests and `python -m dflash.bench loss`.
 
-Position weights are computed outside the fused part from detached per-position scalars:
-decay_k = exp(-(k-1)/gamma) (paper Eq. 4), times a streak multiplier for `kl_streak` (see
-`streak_weights`). loss = sum(w * per_pos) / denominator, where the denominator defaults to the local
-weight sum and can be overridden (a number, a tensor, or a callable that all-reduces the local sum).
+Position weights (`dflash.model.loss_weights`) are computed outside the fused part from detached
+per-position scalars: decay_k = exp(-(k-1)/gamma) (paper Eq. 4), times a streak multiplier for `kl_streak`,
+or the D-PACE weights for `dpace`. loss = sum(w * per_pos) / denominator, where the denominator defaults to
+the local weight sum and can be overridden (a number, a tensor, or a callable that all-reduces the local sum).
+
+With teacher_hidden given, every loss also reports `target_correct`: the draft's argmax equals the target's
+argmax (what greedy verification accepts), for `sim_tau`; the teacher's logits then cost one more matmul
+per chunk, and its KL is computed only when the loss uses it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.config import LOSS_NAMES, default_decay_gamma
+from dflash.model.loss_weights import decay_weights, dpace_weights, position_weights, streak_weights
 
 # A denominator override: a number, a 0-dim tensor, or fn(local_weight_sum) -> global_weight_sum
 # (e.g. an all-reduce), which is the only way to share one global sum for data-dependent streak weights.
@@ -40,6 +45,8 @@ class LossOutput:
     loss_kl:    sum(w * T^2 * KL) / denominator (detached); 0 for ce_decay. With these two,
                 loss == kl_weight * loss_kl + (1 - kl_weight) * loss_ce for kl and kl_streak.
     correct:    Bool [N, B-1], draft argmax == label (False at invalid positions).
+    target_correct: Bool [N, B-1], draft argmax == the target's argmax (False at invalid positions), or
+                None without teacher_hidden: the greedy-verification hit that `sim_tau` counts.
     valid:      Bool [N, B-1], the mask the loss used.
     weight_sum: local sum of weights over valid positions (detached), before any override.
     """
@@ -50,65 +57,7 @@ class LossOutput:
     correct: torch.Tensor
     valid: torch.Tensor
     weight_sum: torch.Tensor
-
-
-# ----------------------------------------------------------------------------------------------------
-# Position weights
-
-
-def decay_weights(
-    block_size: int, gamma: float, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """Paper decay exp(-(k-1)/gamma) for k = 1..block_size-1. Returns [B-1]; the first entry is 1."""
-    if block_size < 2:
-        raise ValueError(f"block_size={block_size} is invalid: must be >= 2 (an anchor plus one drafted token)")
-    if not gamma > 0:
-        raise ValueError(f"decay_gamma={gamma} is invalid: must be > 0")
-    k = torch.arange(1, block_size, device=device, dtype=torch.float64)
-    return torch.exp(-(k - 1) / gamma).to(dtype)
-
-
-def streak_weights(accept_prob: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Streak multipliers m [N, B-1] (detached) from per-position acceptance probabilities q [N, B-1].
-
-    q_i is the draft's probability of the label at position i (exp(-CE_i)). The survival of the
-    teacher-forced streak up to position k is S_1 = 1, S_k = prod_{i<k} q_i (an exclusive cumulative
-    product along the block), and the multiplier is
-
-        m_k = (1 - alpha) + alpha * S_k.
-
-    The loss weight is decay_k * m_k. alpha = 0 gives m = 1 (plain decay weights); alpha = 1 weights
-    each position by the probability that drafting reaches it, so the budget goes to the positions where
-    the streak breaks rather than to positions after an already-likely break. This is a prefix-only
-    relative of D-PACE (which sums such products over the suffix); positions without supervision should
-    carry q = 1 so that they do not cut the streak.
-    """
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"streak_alpha={alpha} is invalid: must be in [0, 1]")
-    q = accept_prob.detach()
-    survival = torch.ones_like(q)
-    if q.shape[-1] > 1:
-        survival[..., 1:] = torch.cumprod(q[..., :-1], dim=-1)  # S_k = prod_{i<k} q_i
-    return (1.0 - alpha) + alpha * survival
-
-
-def position_weights(
-    loss_name: str,
-    ce: torch.Tensor,
-    valid: torch.Tensor,
-    block_size: int,
-    decay_gamma: float,
-    streak_alpha: float,
-) -> torch.Tensor:
-    """Detached weights [N, B-1]: decay (times streak multiplier for kl_streak), 0 at invalid positions.
-
-    ce: [N, B-1] per-position hard-label CE (any value at invalid positions).
-    """
-    w = decay_weights(block_size, decay_gamma, device=ce.device).expand_as(ce)
-    if loss_name == "kl_streak":
-        q = torch.where(valid, torch.exp(-ce.detach().float()), torch.ones_like(w))
-        w = w * streak_weights(q, streak_alpha)
-    return torch.where(valid, w, torch.zeros_like(w))
+    target_correct: torch.Tensor | None = None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -118,39 +67,44 @@ def position_weights(
 class _FusedLMHeadLoss(torch.autograd.Function):
     """Per-position losses of the frozen LM head, computed chunk by chunk.
 
-    forward(h [P, H], t [P, H] | None, labels [P], W [V, H], a, b, T, chunk) ->
-        per_pos [P] (differentiable: a * T^2 * KL + b * CE), ce [P], kl [P], correct [P] (not differentiable)
+    forward(h [P, H], t [P, H] | None, labels [P], W [V, H], a, b, T, chunk, use_kl) ->
+        per_pos [P] (differentiable: a * T^2 * KL + b * CE), ce [P], kl [P], correct [P], target_hit [P]
+        (draft argmax == teacher argmax; all False without t) (not differentiable)
     Only [chunk, V] logits exist at a time; when h needs a gradient, d per_pos / d h [P, H] is formed in
     forward (one extra [chunk, V] x [V, H] matmul, the same one autograd would run in backward) and backward
     scales its rows. No gradient flows into W or t (both frozen).
     """
 
     @staticmethod
-    def forward(ctx, h, t, labels, weight, a, b, temperature, chunk_size):  # noqa: D102
+    def forward(ctx, h, t, labels, weight, a, b, temperature, chunk_size, use_kl):  # noqa: D102
         need_grad = ctx.needs_input_grad[0]
         n = h.shape[0]
         per_pos = torch.empty(n, device=h.device, dtype=torch.float32)
         ce = torch.empty_like(per_pos)
         kl = torch.zeros_like(per_pos)
         correct = torch.empty(n, device=h.device, dtype=torch.bool)
+        target_hit = torch.zeros(n, device=h.device, dtype=torch.bool)
         grad_h = torch.empty_like(h) if need_grad else None
         for start in range(0, n, chunk_size):
             sl = slice(start, min(start + chunk_size, n))
-            out = _chunk_losses(h[sl], None if t is None else t[sl], labels[sl], weight, a, b, temperature, need_grad)
+            t_sl = None if t is None else t[sl]
+            out = _chunk_losses(h[sl], t_sl, labels[sl], weight, a, b, temperature, need_grad, use_kl)
             ce[sl], kl[sl], correct[sl] = out[0], out[1], out[2]
             per_pos[sl] = b * out[0] + (a * temperature**2) * out[1]  # ce_decay: a = 0, b = 1, kl = 0
+            if out[4] is not None:
+                target_hit[sl] = out[4]
             if need_grad:
                 grad_h[sl] = out[3]
-        ctx.mark_non_differentiable(ce, kl, correct)
+        ctx.mark_non_differentiable(ce, kl, correct, target_hit)
         if need_grad:
             ctx.save_for_backward(grad_h)
-        return per_pos, ce, kl, correct
+        return per_pos, ce, kl, correct, target_hit
 
     @staticmethod
-    def backward(ctx, g_per_pos, _g_ce, _g_kl, _g_correct):  # noqa: D102
+    def backward(ctx, g_per_pos, _g_ce, _g_kl, _g_correct, _g_hit):  # noqa: D102
         (grad_h,) = ctx.saved_tensors
         g = grad_h * g_per_pos.to(grad_h.dtype).unsqueeze(-1)  # (P, H)
-        return g, None, None, None, None, None, None, None
+        return g, None, None, None, None, None, None, None, None
 
 
 def _chunk_losses(
@@ -162,8 +116,10 @@ def _chunk_losses(
     b: float,
     temperature: float,
     need_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One chunk: (ce [c], kl [c], correct [c], d per_pos / d h [c, H] or None). Softmaxes in float32.
+    use_kl: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One chunk: (ce [c], kl [c], correct [c], d per_pos / d h [c, H] or None, draft argmax == teacher argmax
+    [c] or None without t). Softmaxes in float32; the KL only when use_kl.
 
     With s the draft logits, p_t = softmax(t/T), per_pos = a*T^2*KL(p_t || softmax(s/T)) + b*CE:
     d per_pos / d s = a*T*(softmax(s/T) - p_t) + b*(softmax(s) - onehot(label)).
@@ -171,11 +127,14 @@ def _chunk_losses(
     s = (h @ weight.T).float()  # (c, V) draft logits
     lse = torch.logsumexp(s, dim=-1)
     ce = lse - s.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    correct = s.argmax(dim=-1) == labels
+    pred = s.argmax(dim=-1)
+    correct = pred == labels
     kl = torch.zeros_like(ce)
-    ds = None
+    ds = target_hit = None
     if t is not None:
         t_logits = (t @ weight.T).float()  # (c, V)
+        target_hit = pred == t_logits.argmax(dim=-1)
+    if t is not None and use_kl:
         if temperature != 1.0:
             t_logits.div_(temperature)
         logp_t = torch.log_softmax(t_logits, dim=-1)
@@ -187,13 +146,15 @@ def _chunk_losses(
         if need_grad and a != 0.0:
             ds = logq.exp_().sub_(p_t).mul_(a * temperature)  # reuses logq's storage
         del logq, p_t
+    if t is not None and not use_kl:
+        del t_logits
     if not need_grad:
-        return ce, kl, correct, None
+        return ce, kl, correct, None, target_hit
     if b != 0.0 or ds is None:
         sm = s.sub_(lse.unsqueeze(-1)).exp_()  # softmax(s), in place: s is no longer needed
         sm[torch.arange(sm.shape[0], device=sm.device), labels] -= 1.0
         ds = sm.mul_(b) if ds is None else ds.add_(sm, alpha=b)
-    return ce, kl, correct, ds.to(weight.dtype) @ weight
+    return ce, kl, correct, ds.to(weight.dtype) @ weight, target_hit
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -212,7 +173,7 @@ def _check_inputs(
 ) -> None:
     if loss_name not in LOSS_NAMES:
         raise ValueError(f"loss.name={loss_name!r} is invalid: must be one of {', '.join(LOSS_NAMES)}")
-    if loss_name != "ce_decay" and teacher_hidden is None:
+    if loss_name in ("kl", "kl_streak") and teacher_hidden is None:
         raise ValueError(f"loss.name={loss_name!r} needs teacher_hidden (the target's last hidden states); got None")
     if draft_hidden.dim() != 3 or draft_hidden.shape[1] != block_size - 1:
         raise ValueError(
@@ -239,12 +200,21 @@ def _check_inputs(
 
 
 def _kl_coefficients(loss_name: str, kl_weight: float) -> tuple[float, float]:
-    """(a, b) in per_pos = a * T^2 * KL + b * CE."""
+    """(a, b) in per_pos = a * T^2 * KL + b * CE. dpace combines with the KL target through kl_weight."""
     if loss_name == "ce_decay":
         return 0.0, 1.0
     if not 0.0 <= kl_weight <= 1.0:
         raise ValueError(f"loss.kl_weight={kl_weight} is invalid: must be in [0, 1]")
     return kl_weight, 1.0 - kl_weight
+
+
+def _uses_kl(loss_name: str, a: float) -> bool:
+    return loss_name in ("kl", "kl_streak") or (loss_name == "dpace" and a != 0.0)
+
+
+def _check_kl_input(loss_name: str, a: float, teacher_hidden: torch.Tensor | None) -> None:
+    if _uses_kl(loss_name, a) and teacher_hidden is None:
+        raise ValueError(f"loss.name={loss_name!r} with kl_weight > 0 needs teacher_hidden; got None")
 
 
 def _finish(
@@ -257,6 +227,7 @@ def _finish(
     valid: torch.Tensor,
     temperature: float,
     anchor: torch.Tensor,
+    target_correct: torch.Tensor | None = None,
 ) -> LossOutput:
     """Weighted sums over positions; per_pos/ce/kl/w share one layout (flat valid positions or [N, B-1])."""
     weight_sum = w.sum()
@@ -277,6 +248,7 @@ def _finish(
         correct=correct,
         valid=valid,
         weight_sum=weight_sum.detach(),
+        target_correct=target_correct,
     )
 
 
@@ -295,6 +267,7 @@ def dflash_loss(
     teacher_hidden: torch.Tensor | None = None,
     chunk_size: int = 256,
     weight_denominator: Denominator = None,
+    dpace_alpha: float = 0.5,
 ) -> LossOutput:
     """The DFlash drafter loss, fused with the LM head and computed in chunks of positions.
 
@@ -302,10 +275,13 @@ def dflash_loss(
     labels:         [N, B-1] token at anchor + k (any value at invalid positions).
     valid:          [N, B-1] bool, position is supervised.
     lm_head_weight: [V, H] frozen LM head of the target (logits = hidden @ W.T); gets no gradient.
-    teacher_hidden: [N, B-1, H] target's final-normed last hidden state at anchor + k - 1; needed by kl, kl_streak.
+    teacher_hidden: [N, B-1, H] target's final-normed last hidden state at anchor + k - 1; needed by kl,
+                    kl_streak and dpace with kl_weight > 0; when given, `target_correct` is reported.
     loss_name:      ce_decay: sum(w * CE) / sum(w), w = exp(-(k-1)/gamma).
                     kl: per position kl_weight * T^2 * KL(softmax(t/T) || softmax(s/T)) + (1 - kl_weight) * CE,
                     same weights. kl_streak: as kl, w = decay * streak multiplier (`streak_weights`).
+                    dpace: (1 - kl_weight) * CE + kl_weight * T^2 * KL, D-PACE weights (`dpace_weights`,
+                    from the hard-label CE, smoothing dpace_alpha); kl_weight = 0 is the peers' D-PACE.
     decay_gamma:    None = the paper default for block_size (7 / 5 / 4 for 16 / 10 / 8).
     chunk_size:     positions per fused chunk: peak extra memory is a few [chunk_size, V] float32 tensors.
     weight_denominator: None = local weight sum; a number / tensor; or fn(local_sum) -> global_sum.
@@ -313,7 +289,9 @@ def dflash_loss(
     _check_inputs(draft_hidden, labels, valid, lm_head_weight, loss_name, block_size, teacher_hidden, chunk_size)
     gamma = default_decay_gamma(block_size) if decay_gamma is None else decay_gamma
     a, b = _kl_coefficients(loss_name, kl_weight)
-    temperature = float(kl_temperature) if loss_name != "ce_decay" else 1.0
+    _check_kl_input(loss_name, a, teacher_hidden)
+    use_kl = _uses_kl(loss_name, a)
+    temperature = float(kl_temperature) if use_kl else 1.0
     if not temperature > 0:
         raise ValueError(f"loss.kl_temperature={kl_temperature} is invalid: must be > 0")
 
@@ -322,19 +300,33 @@ def dflash_loss(
     idx = valid.reshape(-1).nonzero().squeeze(-1)  # (Pv,) flat indices of supervised positions
     h = draft_hidden.reshape(-1, hidden).index_select(0, idx).to(lm_head_weight.dtype)  # (Pv, H)
     t = None
-    if loss_name != "ce_decay":
+    if teacher_hidden is not None:
         t = teacher_hidden.detach().reshape(-1, hidden).index_select(0, idx).to(h.dtype)
     lab = labels.reshape(-1).index_select(0, idx).long()
 
-    per_pos, ce, kl, hit = _FusedLMHeadLoss.apply(h, t, lab, lm_head_weight.detach(), a, b, temperature, chunk_size)
+    weight = lm_head_weight.detach()
+    per_pos, ce, kl, hit, t_hit = _FusedLMHeadLoss.apply(h, t, lab, weight, a, b, temperature, chunk_size, use_kl)
 
     # back to [N, B-1] for the weights (the streak needs the block layout); invalid positions get CE 0
     ce_full = torch.zeros(n_blocks * width, device=ce.device, dtype=ce.dtype).index_copy_(0, idx, ce)
     ce_full = ce_full.view(n_blocks, width)
     correct = torch.zeros(n_blocks * width, device=hit.device, dtype=torch.bool).index_copy_(0, idx, hit)
-    w = position_weights(loss_name, ce_full, valid, block_size, gamma, streak_alpha).reshape(-1).index_select(0, idx)
+    target_correct = None
+    if t is not None:
+        target_correct = torch.zeros_like(correct).index_copy_(0, idx, t_hit).view(n_blocks, width)
+    w = position_weights(loss_name, ce_full, valid, block_size, gamma, streak_alpha, dpace_alpha)
+    w = w.reshape(-1).index_select(0, idx)
     return _finish(
-        per_pos, ce, kl, w, weight_denominator, correct.view(n_blocks, width), valid, temperature, draft_hidden
+        per_pos,
+        ce,
+        kl,
+        w,
+        weight_denominator,
+        correct.view(n_blocks, width),
+        valid,
+        temperature,
+        draft_hidden,
+        target_correct,
     )
 
 
@@ -353,12 +345,15 @@ def dflash_loss_naive(
     teacher_hidden: torch.Tensor | None = None,
     chunk_size: int = 256,
     weight_denominator: Denominator = None,
+    dpace_alpha: float = 0.5,
 ) -> LossOutput:
     """`dflash_loss` on full [N, B-1, V] logits with plain autograd: the reference (chunk_size is ignored)."""
     _check_inputs(draft_hidden, labels, valid, lm_head_weight, loss_name, block_size, teacher_hidden, chunk_size)
     gamma = default_decay_gamma(block_size) if decay_gamma is None else decay_gamma
     a, b = _kl_coefficients(loss_name, kl_weight)
-    temperature = float(kl_temperature) if loss_name != "ce_decay" else 1.0
+    _check_kl_input(loss_name, a, teacher_hidden)
+    use_kl = _uses_kl(loss_name, a)
+    temperature = float(kl_temperature) if use_kl else 1.0
     valid = valid.bool()
     lab = torch.where(valid, labels.long(), torch.zeros_like(labels, dtype=torch.long))
 
@@ -367,13 +362,16 @@ def dflash_loss_naive(
     correct = (logits.argmax(-1) == lab) & valid
     kl = torch.zeros_like(ce)
     per_pos = ce
-    if loss_name != "ce_decay":
+    target_correct = None
+    if teacher_hidden is not None:
         t_logits = (teacher_hidden.detach().to(lm_head_weight.dtype) @ lm_head_weight.detach().T).float()
+        target_correct = (logits.argmax(-1) == t_logits.argmax(-1)) & valid
+    if use_kl:
         logp_t = torch.log_softmax(t_logits / temperature, dim=-1)
         logq = torch.log_softmax(logits / temperature, dim=-1)
         kl = (logp_t.exp() * (logp_t - logq)).sum(-1)
         per_pos = a * temperature**2 * kl + b * ce
-    w = position_weights(loss_name, ce, valid, block_size, gamma, streak_alpha)
+    w = position_weights(loss_name, ce, valid, block_size, gamma, streak_alpha, dpace_alpha)
     zero = torch.zeros_like(per_pos)
     # where() so that NaN/inf at invalid positions (e.g. garbage labels) cannot leak into the sum
     return _finish(
@@ -386,17 +384,15 @@ def dflash_loss_naive(
         valid,
         temperature,
         draft_hidden,
+        target_correct,
     )
-
-
-# ----------------------------------------------------------------------------------------------------
-# Teacher-forced block metrics
 
 
 __all__ = [
     "LOSS_NAMES",
     "LossOutput",
     "decay_weights",
+    "dpace_weights",
     "dflash_loss",
     "dflash_loss_naive",
     "position_weights",

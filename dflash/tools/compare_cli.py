@@ -38,6 +38,7 @@ from dflash.tools.compare import (
     sort_items,
     varying_keys,
 )
+from dflash.tools.rank_corr import rank_corr_table
 from dflash.tools.seed_groups import group_ci95, group_mean, group_runs, group_table, lower_is_better
 
 log = logging.getLogger(__name__)
@@ -262,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the command line that reruns the best run (with --group-by: "
         "the best group, without its seed) by KEY",
     )
+    p.add_argument(
+        "--rank-corr",
+        metavar="EST[,EST]:REAL[,REAL]",
+        help="Spearman's rank correlation of each estimate with each real metric, over the runs' final values "
+        "and over every eval record (e.g. eval/sim_tau_greedy,train/avg_streak:eval/tau,bench/humaneval/tau)",
+    )
     p.add_argument("--plot-metric", default="train/loss", help="metric to plot (default: train/loss)")
     p.add_argument("--plot-x", default="step", choices=("step", "tokens", "time_s"), help="x axis of --plot")
     return p
@@ -290,6 +297,13 @@ def run_cli(args: argparse.Namespace) -> str:
     else:  # runs with benchmarks.json: their tau per suite (temperature 0) as columns too
         bench = {k: None for r in runs for k in r.metrics if k.startswith("bench/") and k.count("/") == 2}
         args.metrics = [*DEFAULT_METRICS, *(k for k in bench if k.endswith("/tau"))]
+    if args.rank_corr:
+        est, sep, real = args.rank_corr.partition(":")
+        if not sep or not est or not real:
+            raise ValueError(f"--rank-corr {args.rank_corr!r}: expected EST[,EST]:REAL[,REAL]")
+        check_keys([*_split(est), *_split(real)], runs, "--rank-corr")
+        columns, rows = rank_corr_table(runs, _split(est), _split(real))
+        return render(columns, rows, args.format, title=f"Spearman's rho over {len(runs)} runs")
     if args.plot and not args.group_by:
         path = plot_runs(runs, args.plot_metric, args.plot, args.plot_x, args.ignore)
         log.info("wrote %s", path)

@@ -283,9 +283,9 @@ class DrafterTrainer:
         out = self.model(noise_embedding, target_hidden, blocks.position_ids, attention_mask=blocks.attention_mask)
         bsz, n = anchors.shape
         draft_hidden = out.view(bsz, n, B, -1)[:, :, 1:].reshape(bsz * n, B - 1, -1)  # slots 1..B-1
-        teacher_hidden = None
-        if cfg.loss.name != "ce_decay":
-            teacher_hidden = gather_positions(item.last_hidden, blocks.teacher_positions).reshape(bsz * n, B - 1, -1)
+        # every loss gets the target's last hidden states: the KL losses' soft labels, and the target's argmax
+        # that train/sim_tau compares the draft's with (greedy verification)
+        teacher_hidden = gather_positions(item.last_hidden, blocks.teacher_positions).reshape(bsz * n, B - 1, -1)
         lo = cfg.loss
         return dflash_loss(
             draft_hidden,
@@ -298,6 +298,7 @@ class DrafterTrainer:
             kl_temperature=lo.kl_temperature,
             kl_weight=lo.kl_weight,
             streak_alpha=lo.streak_alpha,
+            dpace_alpha=lo.dpace_alpha,
             teacher_hidden=teacher_hidden,
             chunk_size=lo.chunk_size,
             # data parallelism: every rank divides by the global weight sum (SpecForge PR #731's fix)
@@ -374,7 +375,7 @@ class DrafterTrainer:
             [
                 torch.stack([out.loss.detach().float(), out.loss_ce.float(), out.loss_kl.float()]).cpu().double(),
                 torch.tensor([float(self.world.distributed and self.stop_requested())], dtype=torch.float64),
-                BlockMetricsAccumulator.counts(out.correct, out.valid).cpu().double(),
+                BlockMetricsAccumulator.counts(out.correct, out.valid, out.target_correct).cpu().double(),
             ]
         )
         total = self.world.all_reduce(local)
@@ -417,6 +418,7 @@ class DrafterTrainer:
             "bad_in_row": self.bad_in_row,
             "next_data": list(self.next_data),
             "recent": [list(map(float, r)) for r in self.recent],
+            "recent_layout": 2,  # 2: block counts end with the sim_tau counts
         }
 
     def load_counters(self, state: dict) -> None:
@@ -426,7 +428,8 @@ class DrafterTrainer:
         self.bad_in_row = int(state.get("bad_in_row", 0))
         self.next_data = tuple(state["next_data"])
         self.recent.clear()
-        self.recent.extend(state.get("recent", []))
+        if state.get("recent_layout") == 2:  # an older checkpoint's rows lack the sim_tau counts: start afresh
+            self.recent.extend(state.get("recent", []))
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), **self.counters()}

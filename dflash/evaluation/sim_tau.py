@@ -1,0 +1,115 @@
+"""Teacher-forced estimates of tau at eval time, to check what `train/sim_tau` measures against real tau.
+
+For a token sequence, every anchor a from `first_anchor` on whose block fits gets the training block
+[token a, MASK x (B-1)] with the target's features of positions < a as context (the training attention
+mask); the accepted length of the block is 1 + the leading positions k whose draft argmax equals the
+target's argmax at a + k - 1, which is what greedy verification accepts (SpecForge's
+`simulated_acc_len` and ModelOpt's acceptance validation count the same per block). Two sequences per
+eval prompt:
+
+- eval/sim_tau:        the prompt's own text (held-out data), anchors from B on: the training distribution.
+- eval/sim_tau_greedy: the prompt and the target's own continuation of it (the target-only generation of
+                       the same eval), anchors from the prompt's end on: the text real tau is measured on.
+- eval/sim_tau_replay: the same blocks, only at the anchors greedy decoding visits (each next anchor is the
+                       last one plus its accepted length). At temperature 0 this is real tau, from parallel
+                       forward passes: the target's continuation does not depend on the drafter, so it can be
+                       generated once and every later drafter scored without sequential decoding.
+
+eval/avg_streak_data counts the data's token instead of the target's argmax on the prompt text, as
+`train/avg_streak` does. sim_tau and sim_tau_greedy average uniformly over anchors, whereas real decoding
+visits the anchors its own accepted lengths lead to: long accepted runs cover many anchors but one cycle,
+so the uniform mean overestimates tau where acceptance varies along the text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from dflash.evaluation.decoding import hf_model, module_device, module_dtype
+from dflash.model.blocks import build_training_blocks, gather_positions
+from dflash.model.drafter import DFlashDraftModel
+
+ANCHOR_CHUNK = 64  # blocks per drafter forward: bounds the dense mask (chunk * B x (S + chunk * B))
+
+
+def _leading(hits: torch.Tensor) -> torch.Tensor:
+    return torch.cumprod(hits.long(), dim=-1).sum(dim=-1) + 1
+
+
+@torch.no_grad()
+def block_accept_lengths(
+    target_model: nn.Module, drafter: DFlashDraftModel, seq: Sequence[int], first_anchor: int, block_size: int
+) -> tuple[list[int], list[int]]:
+    """Per anchor a in [first_anchor, len(seq) - block_size]: (1 + leading draft argmax == target argmax,
+    1 + leading draft argmax == seq's token). Empty lists when no block fits."""
+    model = hf_model(target_model)
+    device, dtype = module_device(drafter), module_dtype(drafter)
+    ids = torch.tensor([list(seq)], device=module_device(model))
+    last = len(seq) - block_size
+    if last < max(first_anchor, 0):
+        return [], []
+    out = model(input_ids=ids, output_hidden_states=True)
+    target_next = out.logits.argmax(dim=-1).to(device)  # (1, S): the target's greedy token after each position
+    feats = torch.cat([out.hidden_states[i + 1] for i in drafter.target_layer_ids], dim=-1).to(device, dtype)
+    ids = ids.to(device)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    sim, data = [], []
+    for start in range(max(first_anchor, 0), last + 1, ANCHOR_CHUNK):
+        anchors = torch.arange(start, min(start + ANCHOR_CHUNK, last + 1), device=device).unsqueeze(0)
+        valid = torch.ones_like(anchors, dtype=torch.bool)
+        blocks = build_training_blocks(
+            ids, torch.ones_like(ids, dtype=torch.bool), anchors, valid, block_size, drafter.mask_token_id
+        )
+        noise = embed(blocks.input_ids.to(embed.weight.device)).to(device, dtype)
+        hidden = drafter(noise, feats, blocks.position_ids, attention_mask=blocks.attention_mask)
+        n = anchors.shape[1]
+        draft = hidden.view(1, n, block_size, -1)[:, :, 1:]
+        pred = head(draft.to(head.weight.device, head.weight.dtype)).argmax(dim=-1).to(device)  # (1, N, B-1)
+        want = gather_positions(target_next.unsqueeze(-1), blocks.teacher_positions).squeeze(-1)
+        sim += _leading(pred == want)[0].tolist()
+        data += _leading(pred == blocks.labels)[0].tolist()
+    return sim, data
+
+
+def replay(lengths: Sequence[int]) -> list[int]:
+    """The accepted lengths at the anchors greedy decoding visits, from the first anchor's on."""
+    out, anchor = [], 0
+    while anchor < len(lengths):
+        out.append(lengths[anchor])
+        anchor += lengths[anchor]
+    return out
+
+
+def sim_tau_metrics(
+    target_model: nn.Module,
+    drafter: DFlashDraftModel,
+    prompts: Sequence[Sequence[int]],
+    continuations: Sequence[Sequence[int]] | None,
+    block_size: int,
+) -> dict[str, float]:
+    """eval/sim_tau and eval/avg_streak_data on the prompts' text; eval/sim_tau_greedy and eval/sim_tau_replay on
+    each prompt followed by its continuation (the target's own output), when given. Keys without a block that
+    fits are left out."""
+    sim_text, data_text, sim_greedy, replayed = [], [], [], []
+    for i, prompt in enumerate(prompts):
+        s, d = block_accept_lengths(target_model, drafter, prompt, block_size, block_size)
+        sim_text += s
+        data_text += d
+        if continuations is not None:
+            seq = list(prompt) + list(continuations[i])
+            lengths = block_accept_lengths(target_model, drafter, seq, len(prompt), block_size)[0]
+            sim_greedy += lengths
+            replayed += replay(lengths)
+    out = {}
+    for key, values in (
+        ("eval/sim_tau", sim_text),
+        ("eval/avg_streak_data", data_text),
+        ("eval/sim_tau_greedy", sim_greedy),
+        ("eval/sim_tau_replay", replayed),
+    ):
+        if values:
+            out[key] = sum(values) / len(values)
+    return out

@@ -1,0 +1,99 @@
+"""Teacher-forced tau estimates at eval (dflash/evaluation/sim_tau.py): on the target's own greedy output, the
+blocks at the anchors real decoding visits accept exactly what real decoding accepted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.evaluation.decoding import speculative_generate
+from dflash.evaluation.evaluator import evaluate
+from dflash.evaluation.sim_tau import block_accept_lengths, replay
+
+B = 4
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A random tiny target whose greedy output often is token 0, and a drafter that always drafts token 0 (its
+    final norm is zero, so every draft logit is 0): accepted lengths then vary between 1 and B."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+
+    from dflash.config import TinyBuildConfig
+    from dflash.model.drafter import DFlashDraftModel
+    from dflash.model.tiny import build
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    d = tmp_path_factory.mktemp("sim") / "target"
+    build(
+        d,
+        TinyBuildConfig(
+            kind="tiny_random",
+            vocab_size=512,
+            hidden_size=64,
+            num_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            intermediate_size=128,
+            pretrain_steps=0,
+        ),
+    )
+    tok = AutoTokenizer.from_pretrained(d)
+    target = AutoModelForCausalLM.from_pretrained(d).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in target.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+        target.get_output_embeddings().weight[0] *= 4.0
+    cfg = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+    )
+    cfg.dflash_config = {"mask_token_id": tok.mask_token_id, "target_layer_ids": [1, 2], "block_size": B}
+    cfg.block_size, cfg.num_target_layers = B, 4
+    torch.manual_seed(0)
+    drafter = DFlashDraftModel(cfg).eval()
+    with torch.no_grad():
+        drafter.norm.weight.zero_()
+    texts = ("def foo(x):\n    return x + 1\n", "import os\n")
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    yield target, drafter, prompts
+    torch.set_num_threads(before)
+
+
+def test_replayed_blocks_equal_real_decoding(setup) -> None:
+    target, drafter, prompts = setup
+    for prompt in prompts:
+        with torch.no_grad():
+            real = speculative_generate(target, drafter, prompt, max_new_tokens=40, block_size=B)
+        sim, data = block_accept_lengths(target, drafter, list(prompt) + real.tokens, len(prompt), B)
+        assert len(sim) == len(real.tokens) - B + 1  # one block per anchor whose block fits
+        # walk the anchors real decoding visits: each block's estimate is that cycle's accepted length
+        replayed = replay(sim)
+        assert replayed == real.accept_lengths[: len(replayed)]
+        assert len(replayed) >= len(real.accept_lengths) - 1  # only the last, cut-short cycle has no full block
+        assert set(real.accept_lengths) - {1}  # not a trivial case: some cycles accept drafts
+        # on the target's own greedy text the data's token is the target's argmax
+        assert sim == data
+
+
+def test_evaluate_reports_the_estimates(setup) -> None:
+    target, drafter, prompts = setup
+    m = evaluate(target, drafter, prompts, max_new_tokens=24, block_size=B, baselines=False, warmup=False, sim_tau=True)
+    for key in ("eval/sim_tau", "eval/sim_tau_greedy", "eval/avg_streak_data", "eval/sim_tau_replay"):
+        assert 1.0 <= m[key] <= B, key
+    # greedy and lossless: the replay is real tau but for each prompt's last cycle, cut short by max_new_tokens
+    assert m["eval/lossless"] == 1.0
+    assert m["eval/sim_tau_replay"] == pytest.approx(m["eval/tau"], abs=0.35)
+    assert "eval/sim_tau" not in evaluate(
+        target, drafter, prompts, max_new_tokens=8, block_size=B, baselines=False, warmup=False
+    )
+    assert block_accept_lengths(target, drafter, prompts[1][:3], 0, B) == ([], [])  # no block fits
