@@ -1,13 +1,13 @@
-"""Regenerate the README's ablation table from the run directories of `experiment=ablation_loss`.
+"""Regenerate the ablation tables of docs/results.md from the run directories of `experiment=ablation_loss`.
 
-    python scripts/ablation_table.py [SWEEP_DIR] [--readme README.md]
+    python scripts/ablation_table.py [SWEEP_DIR] [--readme docs/results.md]
 
 It runs `python -m dflash.compare SWEEP_DIR --group-by --format markdown --metrics M --sort M` for each real
 metric M (mean, std and 95% interval over the seeds of each configuration, and the paired difference against
 the best group with its interval: held-out prompts, then each benchmark suite) and
 `python -m dflash.compare SWEEP_DIR --rank-corr ...` (Spearman's rho of the teacher-forced estimates with real
 tau over the runs and over every eval record), and puts both, with the commands, the machine and the date,
-between the README's `<!-- ablation_loss:begin -->` and `:end -->` markers. No number is copied by hand.
+between docs/results.md's `<!-- ablation_loss:begin -->` and `:end -->` markers. No number is copied by hand.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def block(sweep: Path, text: str, metrics: list[str], rank_corr: str | None) -> 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("sweep", nargs="?", type=Path, default=REPO / "outputs" / "ablation_loss")
-    p.add_argument("--readme", type=Path, default=REPO / "README.md")
+    p.add_argument("--readme", type=Path, default=REPO / "docs" / "results.md")
     p.add_argument("--metrics", default=METRICS, help=f"compare's --metrics (default {METRICS})")
     p.add_argument("--estimates", default=ESTIMATES, help=f"--rank-corr's estimates (default {ESTIMATES})")
 
