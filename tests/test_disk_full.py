@@ -172,7 +172,8 @@ def test_a_failed_export_or_store_shard_leaves_nothing_half_written(tmp_path, mo
         export.export_drafter(make_drafter(), out)
     assert (out / "keep.txt").exists() and not (tmp_path / "drafter.tmp").exists()
 
-    writer = feature_store.StoreWriter(tmp_path / "store", {"features.dtype": "float32"}, shard_batches=1)
+    manifest = {"features.dtype": "float32", "model.target_layer_ids": [1]}
+    writer = feature_store.StoreWriter(tmp_path / "store", manifest, shard_batches=1)
 
     def no_room(tensors, path):
         Path(path).write_bytes(b"half")
@@ -181,9 +182,11 @@ def test_a_failed_export_or_store_shard_leaves_nothing_half_written(tmp_path, mo
     monkeypatch.setattr("safetensors.torch.save_file", no_room)
     batch = type("B", (), {"input_ids": torch.zeros(1, 4, dtype=torch.long), "loss_mask": torch.ones(1, 4).bool()})
     batch.lengths, batch.data_pass, batch.index = None, 0, 0
+    writer.add(batch, torch.zeros(1, 4, 8), torch.zeros(1, 4, 4))
     with pytest.raises(OSError, match="No space left"):
-        writer.add(batch, torch.zeros(1, 4, 8), torch.zeros(1, 4, 4))
-    assert not list((tmp_path / "store").glob("*.tmp")) and writer.done == 0
+        writer.commit(0)
+    store = tmp_path / "store"
+    assert not list(store.glob("*.tmp")) and not list(store.glob("shard_*")) and writer.entries == {}
 
 
 def test_regeneration_and_the_datasets_cache_check_the_disk_first(tmp_path, monkeypatch, tiny_target, tiny_tokenizer):

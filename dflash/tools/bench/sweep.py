@@ -166,15 +166,17 @@ def stage_costs(opts: dict, work: Path) -> dict[str, tuple[float, float]]:
     trainer = DrafterTrainer(cfg, loaded.target, drafter, mask_id, total_steps(cfg.train))
     manifest = manifest_for(cfg, files.layer_ids, data_fingerprint(cfg.data, cfg.model.target))
     writer = StoreWriter(work / "probe", {**manifest, "num_batches": len(batches)}, cfg.features.shard_batches)
-    forward, costs = TargetForward(loaded.target, device), {}
+    forward, costs, per_shard = TargetForward(loaded.target, device), {}, cfg.features.shard_batches
     items = []
-    for batch in batches:
+    for i, batch in enumerate(batches):
         with clocks(costs, "target pass"):
             items.append(forward(batch))
         with clocks(costs, "store write"):
             writer.add(batch, items[-1].target_hidden, items[-1].last_hidden)
+            if (i + 1) % per_shard == 0 or i + 1 == len(batches):  # as the build commits its shards
+                writer.commit(i // per_shard)
     with clocks(costs, "store write"):
-        writer.close()
+        writer.close(len(batches))
     for item in items:
         with clocks(costs, "drafter step"):
             trainer.train_on(item)
