@@ -83,3 +83,27 @@ def compose_config(overrides: list[str], return_hydra_config: bool = False):
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return compose(config_name="config", overrides=overrides, return_hydra_config=return_hydra_config)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A random 4-layer, 64-wide Qwen3 target and its 512-token tokenizer, built in-process (no pretraining)."""
+    from dflash.config import TinyBuildConfig
+    from dflash.model.tiny import build
+
+    d = tmp_path_factory.mktemp("tiny") / "target"
+    build(
+        d,
+        TinyBuildConfig(
+            kind="tiny_random",
+            vocab_size=512,
+            hidden_size=64,
+            num_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            intermediate_size=128,
+            pretrain_steps=0,
+        ),
+    )
+    return d

@@ -44,29 +44,6 @@ def one_thread():
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> Path:
-    from dflash.config import TinyBuildConfig
-    from dflash.model.tiny import build
-
-    d = tmp_path_factory.mktemp("tiny") / "target"
-    build(
-        d,
-        TinyBuildConfig(
-            kind="tiny_random",
-            vocab_size=512,
-            hidden_size=64,
-            num_layers=4,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=32,
-            intermediate_size=128,
-            pretrain_steps=0,
-        ),
-    )
-    return d
-
-
-@pytest.fixture(scope="session")
 def tok(tiny_dir):
     from transformers import AutoTokenizer
 

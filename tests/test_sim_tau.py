@@ -14,32 +14,16 @@ B = 4
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tiny_dir):
     """A random tiny target whose greedy output often is token 0, and a drafter that always drafts token 0 (its
     final norm is zero, so every draft logit is 0): accepted lengths then vary between 1 and B."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
-    from dflash.config import TinyBuildConfig
     from dflash.model.drafter import DFlashDraftModel
-    from dflash.model.tiny import build
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    d = tmp_path_factory.mktemp("sim") / "target"
-    build(
-        d,
-        TinyBuildConfig(
-            kind="tiny_random",
-            vocab_size=512,
-            hidden_size=64,
-            num_layers=4,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=32,
-            intermediate_size=128,
-            pretrain_steps=0,
-        ),
-    )
+    d = tiny_dir
     tok = AutoTokenizer.from_pretrained(d)
     target = AutoModelForCausalLM.from_pretrained(d).eval()
     g = torch.Generator().manual_seed(0)
