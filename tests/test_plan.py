@@ -4,10 +4,12 @@ peak RSS measured on this machine (the tiny target's widths; the Qwen3-8B shapes
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import compose_config, launch
+from conftest import REPO, compose_config, launch
 from test_distributed import torchrun
 
 from dflash.model.plan import GIB, KNOWN_TARGETS, drafter_shape, headline, largest_fit, memory_parts
@@ -50,6 +52,17 @@ def test_the_plan_cli_prints_its_tables(capsys):
     for part in ("target weights", "optimizer state", "chunked loss", "queues", "feature transport", "80 GiB"):
         assert part in out
     assert "the target takes" in out
+
+
+def test_a_process_started_by_a_big_parent_measures_its_own_peak():
+    """perf/peak_rss_mb is the process's own high-water mark: ru_maxrss would report this test process's peak
+    (exec keeps it), which is how the tiny run once measured 851 MiB under pytest against 700 alone."""
+    ballast = bytearray(400 * 2**20)
+    ballast[::4096] = b"\1" * len(range(0, len(ballast), 4096))  # touch every page: resident
+    code = "from dflash.machine import peak_rss_mb; print(peak_rss_mb())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert float(out.stdout) < 200, f"a bare interpreter measured {out.stdout.strip()} MiB"
+    del ballast
 
 
 def _measured_peak_mb(run_dir: Path) -> float:

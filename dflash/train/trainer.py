@@ -13,8 +13,6 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import resource
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +21,7 @@ import torch
 
 from dflash.data.batches import Batch
 from dflash.distributed import World
+from dflash.machine import peak_rss_mb
 from dflash.model.blocks import build_training_blocks, gather_positions, sample_anchors
 from dflash.model.losses import dflash_loss
 from dflash.train.block_metrics import BlockMetricsAccumulator
@@ -42,12 +41,6 @@ PERF_SPREAD_KEYS = (
     "perf/peak_rss_mb",
     "perf/target_mb",
 )
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory so far (MiB): what a rank needed at most, host side."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
 
 
 class TrainingDiverged(RuntimeError):

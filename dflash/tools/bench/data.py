@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from dflash.machine import peak_rss_mb
 from dflash.tools.bench.options import parse_opts
 
 DEFAULTS = {"sizes": "20000,200000", "turns": "3", "num_proc": "null", "seq_len": "2048", "batch_size": "8"}
@@ -64,7 +65,7 @@ def _measure(path: str, cache: str, target: str, num_proc: str, seq_len: int, ba
     next(td.batches.iterate())
     wall = time.monotonic() - t0
     tokens = int(td.chat.lengths.sum())
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss = peak_rss_mb()  # not ru_maxrss: that carries this bench's own peak across exec
     child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     print(json.dumps({"wall_s": wall, "tokens": tokens, "rss_mb": rss, "worker_rss_mb": child}))
 
