@@ -177,6 +177,32 @@ def build(target_dir: Path, b) -> dict:
     return info
 
 
+def build_differences(target_dir: Path, b) -> list[str]:
+    """`key: built X vs config Y` for each model.build setting the cached target was built with otherwise."""
+    try:
+        built = json.loads((target_dir / "build_info.json").read_text())["build"]
+    except (OSError, ValueError, KeyError):
+        return []  # not one of ours (or an old build): nothing to compare
+    wanted = asdict(b) if hasattr(b, "__dataclass_fields__") else dict(b)
+    return [
+        f"model.build.{k}: built {built[k]!r} vs config {wanted[k]!r}"
+        for k in sorted(wanted.keys() & built.keys())
+        if built[k] != wanted[k]
+    ]
+
+
+def warn_if_built_otherwise(target_dir: Path, b) -> None:
+    """The target cache is keyed by its path: a config that changed a build setting would silently reuse the old
+    build, so say which settings differ and how to rebuild."""
+    diffs = build_differences(target_dir, b)
+    if diffs:
+        log.warning(
+            "model.target %s was built with other settings (%s): it is used as built; delete it to rebuild",
+            target_dir,
+            "; ".join(diffs),
+        )
+
+
 def ensure_target(model_cfg) -> Path | None:
     """Build `model.target` if the config asks for a local build and it is not there yet. Returns its path."""
     b = model_cfg.build
@@ -184,6 +210,7 @@ def ensure_target(model_cfg) -> Path | None:
         return None
     target_dir = Path(model_cfg.target).expanduser()
     if (target_dir / "config.json").exists():
+        warn_if_built_otherwise(target_dir, b)
         return target_dir
     target_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(target_dir.parent / f".{target_dir.name}.lock", "w") as lock:
