@@ -4,15 +4,18 @@ peak RSS measured on this machine (the tiny target's widths; the Qwen3-8B shapes
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, compose_config, launch
+from conftest import REPO, compose_config
 from test_distributed import torchrun
 
 from dflash.model.plan import GIB, KNOWN_TARGETS, drafter_shape, headline, largest_fit, memory_parts
+from dflash.model.tiny import ensure_target
 from dflash.tools.plan import main, split_args
 
 TOLERANCE = 0.15
@@ -97,9 +100,43 @@ TINY = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_predicted_peak_is_within_15_percent_of_the_measured_for_the_tiny_widths(nproc, tmp_path, cache_dir):
+def test_predicted_peak_is_within_15_percent_of_the_measured_for_the_tiny_widths(
+    nproc, tmp_path, cache_dir, monkeypatch
+):
+    """The target is built beforehand, as a user's run finds it: building it (tokenizer training included) in the
+    measured process is a test's artefact, not the plan's job. One process: its resident memory is sampled from
+    outside, so that a miss says which kind of memory was larger."""
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(cache_dir))
+    ensure_target(compose_config(TINY).model)
     run_dir = tmp_path / "run"
     args = [*TINY, f"hydra.run.dir={run_dir}"]
-    proc = torchrun([*args, "parallel=fsdp"], cache_dir) if nproc == 2 else launch(args, cache_dir)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    check_prediction(run_dir)
+    if nproc == 2:
+        proc = torchrun([*args, "parallel=fsdp"], cache_dir)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        check_prediction(run_dir)
+        return
+    rc, peak_sample = launch_sampled(args, cache_dir)
+    assert rc == 0, (run_dir / "launch.log").read_text()[-4000:] if (run_dir / "launch.log").exists() else rc
+    try:
+        check_prediction(run_dir)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; at the largest sampled RSS: {peak_sample}") from None
+
+
+def launch_sampled(args: list[str], cache_dir: Path, timeout: float = 300) -> tuple[int, str]:
+    """`python launch.py ARGS`, its /proc status read every 0.1 s: (exit code, the sample with the largest VmRSS)."""
+    env = {**os.environ, "DFLASH_CACHE_DIR": str(cache_dir), "WANDB_MODE": "disabled", "HYDRA_FULL_ERROR": "1"}
+    proc = subprocess.Popen([sys.executable, "launch.py", *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+    keys = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem", "Threads")
+    best, best_rss, deadline = "", -1, time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            fields = dict(line.split(":", 1) for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines())
+        except (OSError, ValueError):
+            fields = {}
+        if "VmRSS" in fields and (rss := int(fields["VmRSS"].split()[0])) > best_rss:
+            best_rss, best = rss, ", ".join(f"{k} {fields[k].strip()}" for k in keys if k in fields)
+        time.sleep(0.1)
+    if proc.poll() is None:
+        proc.kill()
+    return proc.wait(), best
