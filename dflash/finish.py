@@ -33,10 +33,18 @@ class TrainResult:
 
 
 def finish(
-    cfg: DictConfig, job: Job, run: RunDir, status: str, summary: dict, t_start: float, callbacks: CallbackList
+    cfg: DictConfig,
+    job: Job,
+    run: RunDir,
+    status: str,
+    summary: dict,
+    t_start: float,
+    callbacks: CallbackList,
+    cpu_start: float = 0.0,
 ) -> TrainResult:
     """`status` is how training ended; a stop during the final eval makes a completed run `interrupted`.
-    `callbacks` get the benchmarks' results (the final eval reaches them through the evaluator)."""
+    `callbacks` get the benchmarks' results (the final eval reaches them through the evaluator). `cpu_start`:
+    `time.process_time()` when the job started, for `perf/job_cpu_s`."""
     reason = "stopped by signal" if status == "interrupted" else None
     summary.update(job.trainer.summary_metrics())  # not the last monitor window: that depends on timing
     final = job.gather_drafter()  # a collective under fsdp; the whole drafter on rank 0
@@ -55,6 +63,8 @@ def finish(
                 "step": job.trainer.step,
                 "tokens": job.trainer.tokens,
                 "wall_time_s": round(time.time() - t_start, 3),
+                # every thread of this process since the job started (a multirun's jobs share one process)
+                "perf/job_cpu_s": round(time.process_time() - cpu_start, 3),
                 "status": status,
             }
         )

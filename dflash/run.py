@@ -43,7 +43,7 @@ def train(
     if world.is_target:  # parallel.target_ranks: this process only feeds drafter ranks
         serve_target(cfg, world, RunDir(run_dir))
         return TrainResult("completed", {})
-    t_start = time.time()
+    t_start, cpu_start = time.time(), time.process_time()
     determinism.apply(cfg.train.deterministic)
     torch.manual_seed(cfg.train.seed)
     run = RunDir(run_dir)
@@ -54,7 +54,7 @@ def train(
     summary: dict = {}
     try:
         status = run_pipeline(cfg, job, stop, _ticker(job, callbacks, summary, t_start))
-        result = finish(cfg, job, run, status, summary, t_start, callbacks)
+        result = finish(cfg, job, run, status, summary, t_start, callbacks, cpu_start)
     except BaseException:
         callbacks.on_run_end("failed", summary)  # every sink ends exactly once
         raise

@@ -457,6 +457,29 @@ def test_stats_busy_and_standalone_rate():
     assert st["drafter"]["items_per_s_standalone"] > st["target"]["items_per_s_standalone"]
 
 
+def test_each_stage_counts_the_cpu_seconds_of_its_calls():
+    """A drafter that computes is charged its CPU time; a target that sleeps is charged (almost) none, though both
+    are busy for their calls' wall time."""
+
+    def sleepy(batch):
+        time.sleep(0.05)
+        return Item(batch.idx, torch.zeros(1))
+
+    def spinning(item):
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:
+            pass
+        return True
+
+    ticks: list[dict] = []
+    p = make(batches(6), sleepy, spinning, on_tick=ticks.append)
+    p.run()
+    st = p.stats()
+    assert 6 * 0.05 <= st["drafter"]["cpu_s"] <= st["drafter"]["busy_s"]
+    assert st["target"]["busy_s"] >= 6 * 0.05 and st["target"]["cpu_s"] < 0.05
+    assert ticks[-1]["perf/drafter_cpu_s"] == st["drafter"]["cpu_s"]  # cumulative: the last tick is the run's
+
+
 def test_threads_per_stage_sets_stage_threads_and_restores():
     before = torch.get_num_threads()
     seen: list[int] = []

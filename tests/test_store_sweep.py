@@ -4,6 +4,7 @@ each checked against a count done here by hand)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -69,12 +70,27 @@ def test_the_checks_of_the_bench_output_hold_for_a_report_of_known_numbers():
     opts = {**sweep.DEFAULTS, "jobs": "2", "steps": "2", "modes": "sync"}
     stages = dict(zip(sweep.STAGES, ((0.15, 0.055), (0.232, 0.085), (0.007, 0.003), (0.01, 0.002))))
     runs = {"online": (32.0, 12.43), "store build": (18.3, 7.31), "store jobs": (28.5, 11.02), "store": (46.8, 18.33)}
+    runs["account"] = {"drafter steps": 0.4, "store reads": 0.01, "jobs": 3.2}
     for small_store in (18.71, 18.0):  # below the noise (store at 1 step costs more), then a positive difference
         small = {"online": (25.4, 10.11), "store": (48.2, small_store)}
         check_sweep_output("\n".join(sweep.report(opts, stages, {"sync": runs}, {"sync": small})))
     with pytest.raises(AssertionError, match="store build"):  # a store row that is not its build plus its jobs
         wrong = {"sync": {**runs, "store": (46.8, 20.0)}}
         check_sweep_output("\n".join(sweep.report(opts, stages, wrong, {"sync": small})))
+    out = sweep.report(opts, stages, {"sync": runs})
+    row = out[out.index(sweep.ACCOUNT_HEADER) + 2]
+    assert row == "| sync | 0.400 | 0.010 | 2.790 | 7.820 | 11.020 |"  # the jobs' rest is 3.2 - 0.41; outside 11.02 - 3.2
+    # a step in the jobs: 0.4 s over 2 jobs x 2 steps = 100 ms, against the probe's 0.085 s / 2 steps = 42.5 ms
+    assert "sync: a drafter step in the jobs 100.0 CPU ms, in the probe 42.5 (2.353)" in "\n".join(out)
+
+
+def test_the_jobs_count_their_own_cpu_by_stage(tmp_path):
+    """job_account sums what each job wrote in its summary.json."""
+    for i, (drafter, reads, job) in enumerate(((1.5, 0.25, 4.0), (2.5, 0.5, 6.0))):
+        (tmp_path / str(i)).mkdir()
+        summary = {"perf/drafter_cpu_s": drafter, "perf/source_cpu_s": reads, "perf/job_cpu_s": job}
+        (tmp_path / str(i) / "summary.json").write_text(json.dumps(summary))
+    assert sweep.job_account(tmp_path) == {"drafter steps": 4.0, "store reads": 0.75, "jobs": 10.0}
 
 
 def _table(out: str, header: str) -> list[list[str]]:
@@ -118,6 +134,10 @@ def check_sweep_output(out: str) -> None:
             assert r[2 + i] == pytest.approx(r[i] / online, abs=rounding)
     limit = cost["target pass"] + cost["store write"] + 2 * (cost["drafter step"] + cost["store read"])
     assert rows["limit"][1] == pytest.approx(limit, abs=0.06)
+    account = {r[0]: [float(v) for v in r[1:]] for r in _table(out, sweep.ACCOUNT_HEADER)}
+    drafter, reads, rest, outside, jobs_cpu = account["sync"]
+    assert jobs_cpu == pytest.approx(rows["store jobs"][1], abs=0.006) and drafter > 0 and reads > 0 and rest > 0 and outside > 0
+    assert drafter + reads + rest + outside == pytest.approx(jobs_cpu, abs=0.03)
     m = re.search(r"sync: store sweep CPU / limit = ([\d.]+) \(goal <= 1.10\): (PASS|MISS)", out)
     assert m, out
     assert float(m.group(1)) == pytest.approx(rows["store"][1] / rows["limit"][1], rel=0.05, abs=0.01)

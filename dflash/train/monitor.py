@@ -29,6 +29,9 @@ MONITOR_KEYS = (
     "perf/drafter_wait_s",
     "perf/ktok_s",
     "perf/interval_s",
+    "perf/source_cpu_s",
+    "perf/target_cpu_s",
+    "perf/drafter_cpu_s",
 )
 
 
@@ -49,7 +52,10 @@ class StageStats:
     """Busy time (inside the stage function), wait time (blocked on a channel), items and tokens of one stage.
 
     Thread-safe; shared by all workers of a stage. Time of a call still in progress is credited up to the
-    window, so a drafter step longer than the monitor interval does not show as 0 then > 1.
+    window, so a drafter step longer than the monitor interval does not show as 0 then > 1. Busy spans also
+    count the calling thread's CPU seconds (``cpu_s``, credited when a span ends): where a job's compute goes,
+    which a bench compares with the process's total (torch's own intra-op threads, with more than one thread
+    per stage, are not counted).
     """
 
     def __init__(self, name: str, workers: int = 1, clock: Callable[[], float] = time.perf_counter) -> None:
@@ -60,6 +66,7 @@ class StageStats:
         self._open: dict[tuple[int, str], float] = {}  # (thread id, "busy"|"wait") -> start of the open span
         self._interval = {"busy": 0.0, "wait": 0.0}
         self._total = {"busy": 0.0, "wait": 0.0}
+        self._cpu_s = 0.0
         self._items = self._tokens = 0
         self._total_items = self._total_tokens = 0
         self._interval_start = clock()
@@ -67,15 +74,19 @@ class StageStats:
     @contextmanager
     def _span(self, kind: str) -> Iterator[None]:
         key = (threading.get_ident(), kind)
+        cpu0 = time.thread_time()
         with self._lock:
             self._open[key] = self._clock()
         try:
             yield
         finally:
+            cpu = time.thread_time() - cpu0
             with self._lock:
                 dt = self._clock() - self._open.pop(key)
                 self._interval[kind] += dt
                 self._total[kind] += dt
+                if kind == "busy":
+                    self._cpu_s += cpu
 
     def busy(self) -> Any:
         """Context manager around the stage function call."""
@@ -116,16 +127,23 @@ class StageStats:
             self._interval_start = now
             return snap
 
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds of the stage's threads inside finished busy spans, since construction."""
+        with self._lock:
+            return self._cpu_s
+
     def totals(self) -> dict[str, float]:
         """Cumulative counters plus stand-alone throughput: what the stage would sustain if it never waited
         (``workers * items / busy_s``), the number a bench compares across stages."""
         with self._lock:
-            busy, wait = self._total["busy"], self._total["wait"]
+            busy, wait, cpu = self._total["busy"], self._total["wait"], self._cpu_s
             items, tokens = self._total_items, self._total_tokens
         rate = self.workers / busy if busy > 0 else 0.0
         return {
             "busy_s": busy,
             "wait_s": wait,
+            "cpu_s": cpu,
             "items": items,
             "tokens": tokens,
             "workers": self.workers,
@@ -176,6 +194,10 @@ class Monitor:
             "perf/drafter_wait_s": dft.wait_s,
             "perf/ktok_s": dft.tokens / dft.interval_s / 1000.0,
             "perf/interval_s": dft.interval_s,
+            # cumulative: summary.json's last value is the whole run's (a bench's account of its CPU)
+            "perf/source_cpu_s": self.source.cpu_s,
+            "perf/target_cpu_s": self.target.cpu_s,
+            "perf/drafter_cpu_s": self.drafter.cpu_s,
         }
 
     def tick(self) -> None:

@@ -11,9 +11,15 @@ and reports each one's wall time and compute: CPU seconds (user + sys) of every 
 
 In the same run it times the stages on the same config and batches, in this process with the runs' torch threads:
 the target pass, the drafter step, the store's write (cast, safetensors file, sha256) and read (sha256 check,
-mapping, the items), each summed over `steps` batches. Their sum is the sweep's limit:
+mapping, the items), each summed over `steps` batches, once before the sweeps and once after (a shared machine
+drifts by ~10% over a long bench; the table is their mean and a line shows both). Their sum is the sweep's limit:
 
   limit = one target pass + store write + jobs x (drafter steps + store read)
+
+Where the store sweep's CPU went comes from the jobs' own summaries: each job counts its drafter steps' and its
+reader's CPU seconds (`perf/drafter_cpu_s`, `perf/source_cpu_s`) and its whole job's (`perf/job_cpu_s`); the rest
+of the multirun process is its start-up, imports and Hydra. So a miss is named: slower steps in the jobs than in
+the probe, or costs outside the steps.
 
 and the bench prints the store sweep's cost over that limit and checks the goal, store CPU <= (1 + goal) x limit,
 as PASS or MISS. What the limit leaves out is what a job pays besides its steps: starting Python, imports,
@@ -58,6 +64,9 @@ DEFAULTS = {
 REPO = Path(__file__).resolve().parents[3]
 STAGES = ("target pass", "drafter step", "store write", "store read")
 SWEEP_HEADER = "| pipeline | sweep | wall s | CPU s | wall / online | CPU / online |"
+ACCOUNT_HEADER = (
+    "| pipeline | drafter steps | store reads | rest of the jobs | multirun process outside the jobs | store jobs |"
+)
 
 
 def common_overrides(opts: dict) -> list[str]:
@@ -113,9 +122,20 @@ def completed_jobs(sweep_dir: Path) -> int:
     return done
 
 
-def run_sweeps(opts: dict, work: Path, mode: str, env: dict, steps: int) -> dict[str, tuple[float, float]]:
+def job_account(sweep_dir: Path) -> dict[str, float]:
+    """CPU seconds the store jobs counted themselves, summed over the jobs of a multirun (their summary.json)."""
+    keys = {"drafter steps": "perf/drafter_cpu_s", "store reads": "perf/source_cpu_s", "jobs": "perf/job_cpu_s"}
+    total = dict.fromkeys(keys, 0.0)
+    for summary in sweep_dir.glob("*/summary.json"):
+        data = json.loads(summary.read_text())
+        for name, key in keys.items():
+            total[name] += float(data[key])
+    return total
+
+
+def run_sweeps(opts: dict, work: Path, mode: str, env: dict, steps: int) -> dict:
     """The online multirun, the store build and the store multirun of one pipeline mode at `steps` steps per job:
-    (wall, CPU) each."""
+    (wall, CPU) each, and the store jobs' own account of their CPU (`account`)."""
     jobs, tag = int(opts["jobs"]), f"{mode}_{steps}"
     common = [*common_overrides({**opts, "steps": str(steps)}), f"pipeline={mode}"]
     launch = [sys.executable, str(REPO / "launch.py"), "-m", f"loss.kl_temperature={temperatures(jobs)}"]
@@ -129,6 +149,7 @@ def run_sweeps(opts: dict, work: Path, mode: str, env: dict, steps: int) -> dict
             raise SystemExit(f"{sweep_dir}: {completed_jobs(sweep_dir)} of {jobs} jobs completed")
     wall, cpu = (out["store build"][i] + out["store jobs"][i] for i in (0, 1))
     out["store"] = (wall, cpu)
+    out["account"] = job_account(store_dir)
     return out
 
 
@@ -142,7 +163,8 @@ def clocks(costs: dict, name: str):
 
 
 def stage_costs(opts: dict, work: Path) -> dict[str, tuple[float, float]]:
-    """(wall s, CPU s) of each stage summed over the run's `steps` batches, timed here with the runs' threads."""
+    """(wall s, CPU s) of each stage summed over the run's `steps` batches, timed here with the runs' threads;
+    the probe's store is written under `work` (a new directory per call)."""
     import torch
 
     from dflash.data.fingerprint import data_fingerprint
@@ -154,7 +176,8 @@ def stage_costs(opts: dict, work: Path) -> dict[str, tuple[float, float]]:
     from dflash.train.feature_store import StoreReader, StoreWriter, manifest_for
     from dflash.train.trainer import DrafterTrainer, TargetForward, total_steps
 
-    cfg = compose([*common_overrides(opts), "pipeline=sync", "features=store", f"features.path={work / 'probe'}"])
+    probe = work / f"probe_{len(list(work.glob('probe_*')))}"
+    cfg = compose([*common_overrides(opts), "pipeline=sync", "features=store", f"features.path={probe}"])
     torch.set_num_threads(int(opts["threads"]))
     world, device = World(), torch.device("cpu")
     files = target_files(cfg, world)
@@ -165,7 +188,7 @@ def stage_costs(opts: dict, work: Path) -> dict[str, tuple[float, float]]:
     drafter = init_drafter(drafter_config, cfg.train.seed, device, DTYPES[cfg.model.dtype])
     trainer = DrafterTrainer(cfg, loaded.target, drafter, mask_id, total_steps(cfg.train))
     manifest = manifest_for(cfg, files.layer_ids, data_fingerprint(cfg.data, cfg.model.target))
-    writer = StoreWriter(work / "probe", {**manifest, "num_batches": len(batches)}, cfg.features.shard_batches)
+    writer = StoreWriter(probe, {**manifest, "num_batches": len(batches)}, cfg.features.shard_batches)
     forward, costs, per_shard = TargetForward(loaded.target, device), {}, cfg.features.shard_batches
     items = []
     for i, batch in enumerate(batches):
@@ -181,10 +204,42 @@ def stage_costs(opts: dict, work: Path) -> dict[str, tuple[float, float]]:
         with clocks(costs, "drafter step"):
             trainer.train_on(item)
     with clocks(costs, "store read"):
-        read = sum(1 for _ in StoreReader(work / "probe", (0, 0), device))
+        read = sum(1 for _ in StoreReader(probe, (0, 0), device))
     if read != len(batches):
         raise RuntimeError(f"the probe store gave back {read} of {len(batches)} batches")
     return costs
+
+
+def mean_costs(probes: list[dict]) -> dict[str, tuple[float, float]]:
+    """Each stage's (wall, CPU) averaged over the probes."""
+    return {name: tuple(sum(p[name][i] for p in probes) / len(probes) for i in (0, 1)) for name in probes[0]}
+
+
+def probe_line(probes: list[dict], steps: int) -> str:
+    per_batch = {name: " / ".join(f"{p[name][1] / steps * 1e3:.1f}" for p in probes) for name in STAGES}
+    return "each probe (before / after the sweeps), CPU ms per batch: " + ", ".join(
+        f"{name} {v}" for name, v in per_batch.items()
+    )
+
+
+def account_lines(opts: dict, stages: dict, sweeps: dict[str, dict]) -> list[str]:
+    """Where each store multirun's CPU went, by the jobs' own counts, and their steps against the probe's."""
+    jobs, steps = int(opts["jobs"]), int(opts["steps"])
+    lines = ["where the store jobs' CPU s went (the jobs' own counts, summed over the jobs):", ACCOUNT_HEADER]
+    lines.append("|---|---|---|---|---|---|")
+    notes = []
+    for mode, runs in sweeps.items():
+        acc, total = runs["account"], runs["store jobs"][1]
+        rest, outside = acc["jobs"] - acc["drafter steps"] - acc["store reads"], total - acc["jobs"]
+        cells = (acc["drafter steps"], acc["store reads"], rest, outside, total)
+        lines.append(f"| {mode} | " + " | ".join(f"{v:.3f}" for v in cells) + " |")
+        in_jobs = acc["drafter steps"] / (jobs * steps) * 1e3
+        probe = stages["drafter step"][1] / steps * 1e3
+        notes.append(
+            f"{mode}: a drafter step in the jobs {in_jobs:.1f} CPU ms, in the probe {probe:.1f} "
+            f"({in_jobs / probe:.3f}); outside the steps and reads: {rest + outside:.1f} CPU s over {jobs} jobs"
+        )
+    return [*lines, *notes]
 
 
 def limit(stages: dict, jobs: int) -> tuple[float, float]:
@@ -193,16 +248,21 @@ def limit(stages: dict, jobs: int) -> tuple[float, float]:
     return tuple(sum(stages[s][i] for s in once) + jobs * sum(stages[s][i] for s in per_job) for i in (0, 1))
 
 
-def report(opts: dict, stages: dict, sweeps: dict[str, dict], base: dict[str, dict] | None = None) -> list[str]:
-    """The printed tables and verdicts (a test parses them). `base`: each mode's sweeps at `base_steps` steps,
-    whose difference to `sweeps` is the cost per step without the fixed costs (start-up, loading, the data)."""
+def report(
+    opts: dict, stages: dict, sweeps: dict[str, dict], base: dict[str, dict] | None = None, probes: list | None = None
+) -> list[str]:
+    """The printed tables and verdicts (a test parses them). `stages`: the probes' mean; `probes`: each probe's
+    (one line). `base`: each mode's sweeps at `base_steps` steps, whose difference to `sweeps` is the cost per step
+    without the fixed costs (start-up, loading, the data)."""
     jobs, steps, goal = int(opts["jobs"]), int(opts["steps"]), float(opts["goal"])
-    lines = [f"stage costs over {steps} batches (this process, {opts['threads']} torch thread(s)):"]
+    lines = [f"stage costs over {steps} batches (this process, {opts['threads']} torch thread(s), mean of the probes):"]
     lines.append("| stage | wall s | CPU s | CPU ms per batch |")
     lines.append("|---|---|---|---|")
     for name in STAGES:
         wall, cpu = stages[name]
         lines.append(f"| {name} | {wall:.3f} | {cpu:.3f} | {cpu / steps * 1e3:.2f} |")
+    if probes:
+        lines.append(probe_line(probes, steps))
     t, d = stages["target pass"][1], stages["drafter step"][1]
     lines.append(f"target share of one job's stage CPU: {t / (t + d):.2f}")
     lines.append("")
@@ -225,7 +285,9 @@ def report(opts: dict, stages: dict, sweeps: dict[str, dict], base: dict[str, di
         )
         if base and mode in base:
             verdicts.append(marginal(opts, stages, runs, base[mode], mode))
-    return [*lines, "", *verdicts]
+    accounted = {mode: runs for mode, runs in sweeps.items() if "account" in runs}
+    account = ["", *account_lines(opts, stages, accounted)] if accounted else []
+    return [*lines, *account, "", *verdicts]
 
 
 def _row(mode: str, name: str, cost: tuple[float, float], online: tuple[float, float]) -> str:
@@ -268,20 +330,21 @@ def bench(args: list[str]) -> None:
         saved = os.environ.get("DFLASH_CACHE_DIR")
         os.environ["DFLASH_CACHE_DIR"] = str(cache)
         try:
-            stages = stage_costs(opts, work)
+            probes = [stage_costs(opts, work)]
+            sweeps = {mode: run_sweeps(opts, work, mode, env, int(opts["steps"])) for mode in modes}
+            small = int(opts["base_steps"])  # 0: no second size
+            base = (
+                {mode: run_sweeps(opts, work, mode, env, small) for mode in modes}
+                if 0 < small < int(opts["steps"])
+                else None
+            )
+            probes.append(stage_costs(opts, work))  # the machine's drift over the bench, averaged out
         finally:
             os.environ.pop("DFLASH_CACHE_DIR") if saved is None else os.environ.update(DFLASH_CACHE_DIR=saved)
-        sweeps = {mode: run_sweeps(opts, work, mode, env, int(opts["steps"])) for mode in modes}
-        small = int(opts["base_steps"])  # 0: no second size
-        base = (
-            {mode: run_sweeps(opts, work, mode, env, small) for mode in modes}
-            if 0 < small < int(opts["steps"])
-            else None
-        )
     print(
         f"sweep bench: {opts['jobs']} jobs (loss.kl_temperature={temperatures(int(opts['jobs']))}) x {opts['steps']} "
         f"steps, random target hidden 256 x 6 layers, batch {opts['batch_size']} x {opts['seq_len']}, "
         f"{opts['num_anchors']} anchors, block {opts['block_size']}, {opts['threads']} torch thread(s) per stage, "
         f"store {opts['dtype']}, seed {opts['seed']}, {os.cpu_count()} cores"
     )
-    print("\n".join(report(opts, stages, sweeps, base)))
+    print("\n".join(report(opts, mean_costs(probes), sweeps, base, probes)))
