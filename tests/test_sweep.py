@@ -24,7 +24,14 @@ def _compare(capsys, *args) -> str:
 def test_four_job_sweep_and_compare(tmp_path, cache_dir, tiny_target, capsys):
     sweep = tmp_path / "sweep"
     launch(
-        ["-m", *SMOKE, f"hydra.sweep.dir={sweep}", "loss.kl_temperature=1,2", "loss.streak_alpha=0,0.5"],
+        [
+            "-m",
+            *SMOKE,
+            f"hydra.sweep.dir={sweep}",
+            "loss=kl_streak",
+            "loss.kl_temperature=1,2",
+            "loss.streak_alpha=0,0.5",
+        ],
         cache_dir,
         check=True,
         timeout=600,

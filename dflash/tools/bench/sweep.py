@@ -78,6 +78,7 @@ def common_overrides(opts: dict) -> list[str]:
     build = [f"model.build.{k}={shape[k]}" for k in (*keys, "intermediate_size")]
     return [
         "model=tiny_random",
+        "loss=kl_streak",  # a loss that the swept loss.kl_temperature changes (the default dpace has no KL term)
         *build,
         f"model.block_size={opts['block_size']}",
         "model.num_draft_layers=2",
