@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import logging
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ def stdlib_files(split: str, holdout_fraction: float = DEFAULT_HOLDOUT, max_file
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be train or heldout, not {split!r}")
     root = stdlib_root()
-    files = sorted(p for p in root.rglob("*.py") if not _TEST_DIRS & set(p.relative_to(root).parts))
+    files = sorted(_stdlib_py_files(root))
     threshold = int(holdout_fraction * 10_000)
 
     def is_heldout(p: Path) -> bool:
@@ -47,6 +48,14 @@ def stdlib_files(split: str, holdout_fraction: float = DEFAULT_HOLDOUT, max_file
 
     chosen = [p for p in files if is_heldout(p) == (split == "heldout")]
     return chosen[:max_files] if max_files else chosen
+
+
+def _stdlib_py_files(root: Path):
+    """The .py files under `root` outside _TEST_DIRS. The excluded directories are pruned, not walked: a
+    Python's site-packages can hold ten times the stdlib's files, and every job lists them."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _TEST_DIRS]
+        yield from (Path(dirpath) / f for f in filenames if f.endswith(".py"))
 
 
 def read_text(path: Path) -> str:
