@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,17 @@ class HFBackend:
         eot_id = self.tokenizer.convert_tokens_to_ids(eot) if eot else None
         self.stop_ids = [i for i in (eot_id, self.tokenizer.eos_token_id) if isinstance(i, int) and i >= 0]
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
-        self.name = target
+        self.name, self.dtype = target, str(dtype).removeprefix("torch.")
+
+    def identity(self) -> dict:
+        """Who answers: the target's files (hashed, as the feature store's manifest hashes them) and settings."""
+        from dflash.data.fingerprint import TOKENIZER_FILES, file_hash
+
+        root = Path(self.name).expanduser()
+        names = ("config.json", "model.safetensors", "model.safetensors.index.json", "build_info.json")
+        files = {f: file_hash(root / f) for f in (*names, *TOKENIZER_FILES) if (root / f).is_file()}
+        return {"backend": "hf", "target": self.name, "target_files": files or {"hub": self.name},
+                "dtype": self.dtype, **asdict(self.settings)}  # fmt: skip
 
     def complete(self, conversations: list[list[dict]]) -> list[str | BaseException]:
         import torch
@@ -101,6 +112,10 @@ class OpenAIBackend:
         )
         self.name = model or self._served_model()
         self.concurrency = concurrency
+
+    def identity(self) -> dict:
+        """Who answers: the served model's name (not the URL: a restarted server may move) and the settings."""
+        return {"backend": "openai", "model": self.name, **asdict(self.settings)}
 
     def _served_model(self) -> str:
         models = [m.id for m in self.client.models.list()]

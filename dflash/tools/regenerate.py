@@ -10,6 +10,9 @@ rest; once every record is done, OUT is put in IN's order. Records are done in c
 the chunk (turn k of every record in one batch for `hf`, or concurrent requests for `openai`). A record that
 cannot be regenerated (one training skips, with the same reason: empty, no user turn, ...; the template
 rejects it; its request fails) is counted and listed in OUT.failures.jsonl with its reason, never fatal.
+OUT.settings.json records who answered (the backend's target files or served model, and the generation
+settings): a resume with another target or other settings is refused, naming each key and both values, so one
+file never mixes two targets' answers.
 """
 
 from __future__ import annotations
@@ -43,6 +46,31 @@ class Outcome:
 
 def failures_path(out: Path) -> Path:
     return out.with_name(out.name + ".failures.jsonl")
+
+
+def settings_path(out: Path) -> Path:
+    return out.with_name(out.name + ".settings.json")
+
+
+def check_same_settings(out: Path, settings: dict, done: int) -> None:
+    """Refuse to add to OUT's `done` answers with other settings than they were made with; then record these."""
+    path = settings_path(out)
+    if done and path.exists():
+        before = json.loads(path.read_text())
+        differ = [
+            f"{key}: OUT {before.get(key)!r} vs now {settings.get(key)!r}"
+            for key in sorted(set(before) | set(settings))
+            if before.get(key) != settings.get(key)
+        ]
+        if differ:
+            raise ValueError(
+                f"{out} holds {done} answers made with other settings ({'; '.join(differ)}): "
+                "remove it (and its .settings.json) or write to another OUT"
+            )
+    elif done:
+        log.warning("%s: %d answers and no %s (an older version wrote it): resuming unchecked", out, done, path.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, json.dumps(settings, indent=2, sort_keys=True).encode() + b"\n")
 
 
 def read_inputs(path: Path) -> list[tuple[str, dict | None, str, str]]:
@@ -140,7 +168,8 @@ def regenerate_file(in_path: Path, out: Path, backend, chunk_size: int) -> Outco
     regenerable = len(done) + len(todo)
     completed, t0 = 0, time.monotonic()
     log.info("%s: %d records, %d already in %s, %d to do", in_path, len(inputs), len(done), out, len(todo))
-    out.parent.mkdir(parents=True, exist_ok=True)
+    identity = backend.identity() if hasattr(backend, "identity") else {"backend": getattr(backend, "name", "?")}
+    check_same_settings(out, identity, len(done))
     # about the input's size again for what is left (the answers replace answers of a similar length)
     share = len(todo) / max(len(inputs), 1)
     check_free(out.parent, int(Path(in_path).stat().st_size * share), "the regenerated data")

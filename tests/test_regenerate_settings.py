@@ -1,0 +1,86 @@
+"""`python -m dflash.regenerate` resumes only with the target and settings OUT's answers were made with: a
+rebuilt or other target must not add its answers to a file of another's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+
+class _Backend:
+    name = "fake"
+
+    def __init__(self, target: str, max_new_tokens: int = 12):
+        self.target, self.max_new_tokens, self.asked = target, max_new_tokens, 0
+
+    def identity(self) -> dict:
+        return {"backend": "fake", "target": self.target, "max_new_tokens": self.max_new_tokens}
+
+    def complete(self, conversations):
+        self.asked += len(conversations)
+        return [f"{self.target} answers" for _ in conversations]
+
+
+def _input(tmp_path, n: int = 6):
+    inp = tmp_path / "in.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]} for i in range(n)
+    ]
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return inp
+
+
+def test_a_resume_with_another_target_is_refused_naming_both(tmp_path):
+    from dflash.tools.regenerate import regenerate_file, settings_path
+
+    inp, out = _input(tmp_path), tmp_path / "out.jsonl"
+    regenerate_file(inp, out, _Backend("chat-v1"), chunk_size=2)
+    with open(out) as f:  # a kill after 2 of 6 answers
+        kept = f.readlines()[:2]
+    out.write_text("".join(kept))
+    assert json.loads(settings_path(out).read_text())["target"] == "chat-v1"
+
+    other = _Backend("chat-v2")
+    with pytest.raises(
+        ValueError, match=r"2 answers made with other settings \(target: OUT 'chat-v1' vs now 'chat-v2'\)"
+    ):
+        regenerate_file(inp, out, other, chunk_size=2)
+    assert other.asked == 0 and len(out.read_text().splitlines()) == 2  # nothing asked, nothing written
+
+    longer = _Backend("chat-v1", max_new_tokens=64)
+    with pytest.raises(ValueError, match="max_new_tokens: OUT 12 vs now 64"):
+        regenerate_file(inp, out, longer, chunk_size=2)
+
+    same = _Backend("chat-v1")
+    outcome = regenerate_file(inp, out, same, chunk_size=2)  # the same settings resume
+    assert (outcome.done_before, outcome.completed, same.asked) == (2, 4, 4)
+    assert all(json.loads(line)["messages"][1]["content"] == "chat-v1 answers" for line in out.read_text().splitlines())
+
+
+def test_a_new_output_takes_any_settings(tmp_path):
+    from dflash.tools.regenerate import regenerate_file, settings_path
+
+    inp, out = _input(tmp_path, 2), tmp_path / "out.jsonl"
+    settings_path(out).write_text(json.dumps({"backend": "fake", "target": "old"}))  # left from a deleted OUT
+    outcome = regenerate_file(inp, out, _Backend("new"), chunk_size=2)
+    assert outcome.completed == 2 and json.loads(settings_path(out).read_text())["target"] == "new"
+
+
+def test_the_hf_backend_names_the_target_files_it_answers_with(tiny_target, tmp_path):
+    """A target rebuilt at the same path (other weights) is another target."""
+    from dflash.tools.regen_backends import GenerationSettings, HFBackend
+
+    copy = tmp_path / "target"
+    shutil.copytree(tiny_target, copy)
+    first = HFBackend(str(copy), GenerationSettings(max_new_tokens=8), device="cpu").identity()
+    assert first["backend"] == "hf" and first["dtype"] == "float32" and first["max_new_tokens"] == 8
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(first["target_files"])
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    second = HFBackend.__new__(HFBackend)  # identity() reads the files, not the loaded model
+    second.name, second.dtype, second.settings = first["target"], "float32", GenerationSettings(max_new_tokens=8)
+    assert second.identity()["target_files"]["model.safetensors"] != first["target_files"]["model.safetensors"]
