@@ -96,8 +96,8 @@ class LossConfig:
     name: str = "dpace"  # ce_decay | kl | kl_streak | dpace
     decay_gamma: float | None = None  # null = 7 / 5 / 4 for block 16 / 10 / 8
     kl_temperature: float = 1.0
-    kl_weight: float = 0.0  # share of the T^2-scaled KL term; 1 - kl_weight goes to hard-label CE (kl*: 0.5)
-    streak_alpha: float = 0.0  # kl_streak's mixing of the streak multiplier (its file: 0.5); 0 = plain decay
+    kl_weight: float = 0.0  # share of the T^2-scaled KL term; 1 - kl_weight to hard-label CE (kl, kl_streak: 0.5)
+    streak_alpha: float = 0.0  # kl_streak's mix of the streak multiplier (0.5 there); 0 = plain decay
     dpace_alpha: float = 0.5  # dpace's confidence smoothing q~ = (1 - alpha) q + alpha (the peers' default)
     chunk_size: int = 256  # positions per fused LM-head + loss chunk
 

@@ -81,6 +81,8 @@ def test_the_hf_backend_names_the_target_files_it_answers_with(tiny_target, tmp_
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
-    second = HFBackend.__new__(HFBackend)  # identity() reads the files, not the loaded model
-    second.name, second.dtype, second.settings = first["target"], "float32", GenerationSettings(max_new_tokens=8)
-    assert second.identity()["target_files"]["model.safetensors"] != first["target_files"]["model.safetensors"]
+    second = HFBackend(str(copy), GenerationSettings(max_new_tokens=8), device="cpu").identity()
+    assert second["target_files"]["model.safetensors"] != first["target_files"]["model.safetensors"]
+    assert {k: v for k, v in second.items() if k != "target_files"} == {
+        k: v for k, v in first.items() if k != "target_files"
+    }

@@ -261,6 +261,9 @@ class _Backend:
     def __init__(self, fail_batch: bool = False):
         self.fail_batch, self.asked = fail_batch, []
 
+    def identity(self) -> dict:
+        return {"backend": self.name}
+
     def complete(self, conversations):
         if self.fail_batch:
             raise RuntimeError("CUDA out of memory")

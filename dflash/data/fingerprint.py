@@ -19,6 +19,14 @@ _PIECE = 1 << 20
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "vocab.json", "merges.txt")
 
 
+TARGET_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json")  # a target's weights, as hashed
+
+
+def hashed_files(root: Path, names) -> dict[str, str]:
+    """`file_hash` of each of `names` that is a file under `root` (none: {}, e.g. a hub id, not a directory)."""
+    return {name: file_hash(root / name) for name in names if (root / name).is_file()}
+
+
 def file_hash(path: Path) -> str:
     size = path.stat().st_size
     h = hashlib.sha256()
@@ -41,11 +49,7 @@ def data_fingerprint(data_cfg, target: str) -> dict:
         }
     else:  # the Python standard library's sources: their version stands for their content
         files = {str(stdlib_root()): {"python": sys.version.split()[0]}}
-    tokenizer = {}
-    target_dir = Path(target).expanduser()
-    for name in TOKENIZER_FILES:
-        if (target_dir / name).is_file():
-            tokenizer[name] = file_hash(target_dir / name)
+    tokenizer = hashed_files(Path(target).expanduser(), TOKENIZER_FILES)
     settings = {k: data_cfg.get(k) for k in ("name", "holdout_fraction", "max_files", "min_supervised_tokens")}
     if data_cfg.name == "jsonl" and data_cfg.get("long_conversations", "truncate") != "truncate":
         settings["long_conversations"] = data_cfg.get("long_conversations")  # runs from before it truncated

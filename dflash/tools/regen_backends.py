@@ -51,11 +51,10 @@ class HFBackend:
 
     def identity(self) -> dict:
         """Who answers: the target's files (hashed, as the feature store's manifest hashes them) and settings."""
-        from dflash.data.fingerprint import TOKENIZER_FILES, file_hash
+        from dflash.data.fingerprint import TARGET_FILES, TOKENIZER_FILES, hashed_files
 
-        root = Path(self.name).expanduser()
-        names = ("config.json", "model.safetensors", "model.safetensors.index.json", "build_info.json")
-        files = {f: file_hash(root / f) for f in (*names, *TOKENIZER_FILES) if (root / f).is_file()}
+        # build_info.json: an embedded target rebuilt with other settings at the same path
+        files = hashed_files(Path(self.name).expanduser(), (*TARGET_FILES, "build_info.json", *TOKENIZER_FILES))
         return {"backend": "hf", "target": self.name, "target_files": files or {"hub": self.name},
                 "dtype": self.dtype, **asdict(self.settings)}  # fmt: skip
 

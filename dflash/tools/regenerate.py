@@ -69,7 +69,6 @@ def check_same_settings(out: Path, settings: dict, done: int) -> None:
             )
     elif done:
         log.warning("%s: %d answers and no %s (an older version wrote it): resuming unchecked", out, done, path.name)
-    out.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(path, json.dumps(settings, indent=2, sort_keys=True).encode() + b"\n")
 
 
@@ -168,11 +167,11 @@ def regenerate_file(in_path: Path, out: Path, backend, chunk_size: int) -> Outco
     regenerable = len(done) + len(todo)
     completed, t0 = 0, time.monotonic()
     log.info("%s: %d records, %d already in %s, %d to do", in_path, len(inputs), len(done), out, len(todo))
-    identity = backend.identity() if hasattr(backend, "identity") else {"backend": getattr(backend, "name", "?")}
-    check_same_settings(out, identity, len(done))
+    out.parent.mkdir(parents=True, exist_ok=True)
     # about the input's size again for what is left (the answers replace answers of a similar length)
     share = len(todo) / max(len(inputs), 1)
     check_free(out.parent, int(Path(in_path).stat().st_size * share), "the regenerated data")
+    check_same_settings(out, backend.identity(), len(done))
     with open(out, "ab") as sink, display().phase("regenerate", len(todo)) as phase:
         for start in range(0, len(todo), chunk_size):
             chunk = todo[start : start + chunk_size]

@@ -255,15 +255,14 @@ def manifest_for(cfg, layer_ids: list[int], data_fingerprint: dict | None) -> di
     from omegaconf import OmegaConf
 
     from dflash.data.chat_dataset import RENDER_VERSION
-    from dflash.data.fingerprint import TOKENIZER_FILES, file_hash
+    from dflash.data.fingerprint import TARGET_FILES, TOKENIZER_FILES, hashed_files
 
     target = Path(cfg.model.target).expanduser()
-    tokenizer = {f: file_hash(target / f) for f in TOKENIZER_FILES if (target / f).is_file()} or {"hub": str(target)}
-    files = ("config.json", "model.safetensors", "model.safetensors.index.json")
+    tokenizer = hashed_files(target, TOKENIZER_FILES) or {"hub": str(target)}
     return {
         "feature_version": FEATURE_VERSION,
         "model.target": str(cfg.model.target),
-        "target_files": {f: file_hash(target / f) for f in files if (target / f).is_file()} or {"hub": str(target)},
+        "target_files": hashed_files(target, TARGET_FILES) or {"hub": str(target)},
         "model.target_layer_ids": list(layer_ids),
         "features.dtype": cfg.features.dtype,
         "train.seq_len": cfg.train.seq_len,
