@@ -57,10 +57,11 @@ def _load(args):
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dflash.distributed import resolve_device
     from dflash.evaluation.cli import _resolve_run_target
     from dflash.evaluation.decoding import module_dtype
     from dflash.model.export import check_drafter_against
-    from dflash.model.target import check_target_exists, resolve_device
+    from dflash.model.target import check_target_exists
     from dflash.rundir import RunDir
     from dflash.train.checkpointer import load_drafter_from_source
 

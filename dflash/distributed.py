@@ -128,6 +128,19 @@ def rank_hydra_overrides(rank: int) -> list[str]:
     ]
 
 
+def resolve_device(name: str) -> torch.device:
+    """`model.device` (auto | cpu | cuda | cuda:N) as a torch device; cuda without a CUDA device is a config error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"model.device={name!r} is invalid: torch sees no CUDA device here "
+            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None}); use auto or cpu"
+        )
+    return device
+
+
 def default_backend(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
@@ -332,7 +345,8 @@ def init_world(parallel_cfg, device_name: str = "auto") -> World:
                 f"parallel=single in a job of {os.environ['WORLD_SIZE']} processes (torchrun): add parallel=ddp or "
                 "parallel=fsdp, or start one process"
             )
-        return World()
+        # the job's device (model.device), so that run.json says where a single-process run trained
+        return World(device=resolve_device(device_name))
     init_process_group(parallel_cfg.backend, parallel_cfg.init_timeout_s)
     joined = dist.get_backend()
     if parallel_cfg.backend != "auto" and parallel_cfg.backend != joined:

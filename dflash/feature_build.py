@@ -22,8 +22,7 @@ from omegaconf import DictConfig
 
 from dflash.data.fingerprint import data_fingerprint
 from dflash.disk import check_free, mib
-from dflash.distributed import RankFailed, World
-from dflash.model.target import resolve_device
+from dflash.distributed import RankFailed, World, resolve_device
 from dflash.sources import target_and_data, target_files
 from dflash.terminal import display
 from dflash.train.feature_store import INDEX, StoreWriter, manifest_for, store_bytes_per_token, store_path

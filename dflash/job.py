@@ -15,12 +15,12 @@ from omegaconf import DictConfig
 from dflash.config import ConfigError
 from dflash.data.corpus import jsonl_files
 from dflash.data.training_data import TrainingData
-from dflash.distributed import World
+from dflash.distributed import World, resolve_device
 from dflash.evaluation.evaluator import Evaluator
 from dflash.feature_build import build_store
 from dflash.machine import slow_cpu_dtype
 from dflash.model.build import build_drafter_config, init_drafter, resolve_mask_token_id
-from dflash.model.target import DTYPES, TargetHeads, TargetModel, resolve_device
+from dflash.model.target import DTYPES, TargetHeads, TargetModel
 from dflash.resume import check_data_unchanged
 from dflash.rundir import RunDir
 from dflash.sources import target_and_data, target_files

@@ -148,7 +148,7 @@ def test_cuda_device_without_cuda_is_a_config_error(monkeypatch):
     import torch
 
     from dflash.config import ConfigError
-    from dflash.model.target import resolve_device
+    from dflash.distributed import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="model.device='cuda:1' is invalid: torch sees no CUDA device"):

@@ -99,8 +99,10 @@ def test_rank_slices_cover_the_global_batch_in_order():
 
 
 def test_single_world_needs_no_process_group(monkeypatch):
-    world = init_world(type("P", (), {"name": "single"})())
+    world = init_world(type("P", (), {"name": "single"})(), "cpu")
     assert world == World() and world.is_main and not world.distributed
+    # run.json's world.device is the job's device (it said cpu for a model.device=cuda run on an H200)
+    assert init_world(type("P", (), {"name": "single"})(), "meta").device == torch.device("meta")
     values = torch.tensor([1.0, 2.0])
     assert world.all_reduce(values) is values and world.agree(True) and world.broadcast_object(3) == 3
     monkeypatch.setenv("RANK", "0")

@@ -125,7 +125,11 @@ def test_bench_flop_count_sees_the_fused_lm_head(parts, tiny_target):
         cfg.loss.name = loss
         torch.manual_seed(0)
         drafter = DFlashDraftModel(build_drafter_config(target.model.config, cfg.model, [1, 2], mask_id))
-        flops[loss] = drafter_step_flops(DrafterTrainer(cfg, target, drafter, mask_id, total_steps=10), item)
+        trainer = DrafterTrainer(cfg, target, drafter, mask_id, total_steps=10)
+        # as on CUDA, where the default is compiled FlexAttention, which FlopCounterMode cannot run (seen on an
+        # H200): the count takes the sdpa path (on CPU, flex's backward would fail instead)
+        trainer.attention = "flex"
+        flops[loss] = drafter_step_flops(trainer, item)
     labels = item.input_ids.shape[0] * cfg.train.num_anchors * (cfg.model.block_size - 1)
     lm_head = 2 * labels * target.model.config.hidden_size * target.model.config.vocab_size
     assert flops["kl"] == flops["ce_decay"]

@@ -173,8 +173,9 @@ def _print_table(metrics: dict[str, Any], title: str) -> None:
 def _run_cli(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dflash.distributed import resolve_device
     from dflash.model.export import check_drafter_against
-    from dflash.model.target import DTYPES, check_target_exists, resolve_device
+    from dflash.model.target import DTYPES, check_target_exists
 
     inputs = _resolve_inputs(args.path, args.target)
     check_target_exists(inputs.target)

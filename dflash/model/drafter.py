@@ -20,10 +20,14 @@ no mask (non-causal: the block sees all cached context and its whole self).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DFlashDraftModel", "Qwen3DFlashAttention", "Qwen3DFlashDecoderLayer", "DraftKVCache"]
 
@@ -41,6 +45,8 @@ def _flex(q, k, v, block_mask):
     if q.device.type != "cuda":
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     if _compiled_flex is None:
+        # the first step waits for the compile (the smoke runs on an H200 spent 5-15 s on 20 steps) without progress
+        log.info("compiling FlexAttention for the drafter (the first step on CUDA waits for it)")
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
 

@@ -8,23 +8,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash.config import DTYPE_NAMES, ConfigError
+from dflash.config import DTYPE_NAMES
+from dflash.distributed import resolve_device
 
 log = logging.getLogger(__name__)
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            f"model.device={name!r} is invalid: torch sees no CUDA device here "
-            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None}); use auto or cpu"
-        )
-    return device
 
 
 def check_target_exists(target: str) -> None:

@@ -36,7 +36,7 @@ class HFBackend:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from dflash.data.chat import end_of_turn_marker
-        from dflash.model.target import resolve_device
+        from dflash.distributed import resolve_device
 
         self.settings = settings
         self.tokenizer = AutoTokenizer.from_pretrained(target)

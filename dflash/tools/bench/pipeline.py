@@ -118,9 +118,12 @@ def _throughput(fn, items, warmup: int) -> tuple[float, float]:
 
 
 def drafter_step_flops(trainer, item) -> float:
-    """FLOPs of one real drafter training step, counted by torch's FlopCounterMode."""
+    """FLOPs of one real drafter training step, counted by torch's FlopCounterMode on the sdpa path: the mode
+    cannot run compiled FlexAttention (CUDA's default), and the dense mask counts the masked blocks too, which at
+    the bench's shapes is a few % of a step's FLOPs (the MLPs and the LM head dominate)."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    trainer.attention = "sdpa"
     with FlopCounterMode(display=False) as counter:
         trainer.train_on(item)
     return float(counter.get_total_flops())
@@ -144,9 +147,10 @@ def bench(args: list[str]) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from dflash.data.batches import Batch
+    from dflash.distributed import resolve_device
     from dflash.model.build import build_drafter_config
     from dflash.model.drafter import DFlashDraftModel
-    from dflash.model.target import TargetModel, resolve_device
+    from dflash.model.target import TargetModel
     from dflash.tools.bench.options import parse_opts
     from dflash.train.pipeline import Pipeline
     from dflash.train.trainer import DrafterTrainer, TargetForward
