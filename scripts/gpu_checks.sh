@@ -1,57 +1,105 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA GPU, in one short script (run from the repo root on a GPU machine after
-# `make setup`; ~5 minutes on one H200). CPU-only sessions cannot run these; their results go in the README.
-#   1. issue 5: the pipeline bench on a ~1B-parameter Qwen3-shaped target, bf16: tokens/s, busy fractions, MFU
-#   2. the FlexAttention training path (model.attention=flex: a BlockMask, compiled) for a few steps
-#   3. feature noise on CUDA (its generator must live on the GPU)
-#   4. issue 13: data-parallel training with NCCL: DDP and FSDP2 (bf16 mixed precision) on the GPUs there are
-#      (2 ranks need 2 GPUs; on 1 GPU a 1-rank world checks the NCCL/FSDP2/DCP path), and the dist bench
-#   5. issue 15: parallel.target_devices/drafter_device in one process (non-blocking device copies), and on 2
+# The checks that need a CUDA GPU, in one short script (about 10 minutes on one H200; run from the repo root after
+# `make setup`, or with PY=python3 where a CUDA torch and the project's dependencies are installed). CPU-only
+# sessions cannot run these; their results go in docs/results.md. Each check has its own timeout; a line per
+# check goes to $OUT/summary.txt.
+#   1. the smoke job on CUDA, async and sync pipelines (train, checkpoints, eval tau, export)
+#   2. the FlexAttention training path (model.attention=flex: a BlockMask, compiled) with feature noise on CUDA
+#      (its generator must live on the GPU)
+#   3. issue 13: data-parallel training with NCCL: DDP and FSDP2 (bf16 mixed precision) on the GPUs there are
+#      (2 ranks need 2 GPUs; on 1 GPU a 1-rank world checks the NCCL/FSDP2/DCP path), an FSDP2 resume from
+#      its sharded (DCP) checkpoint, and the dist bench
+#   4. issue 15: parallel.target_devices/drafter_device in one process (non-blocking device copies), and on 2
 #      GPUs 1 target rank + 1 drafter rank (parallel.target_ranks=1) over NCCL point-to-point (issue 23: items
 #      and credits on separate communicators; on 3 GPUs also 1 target + 2 drafter ranks)
+#   5. issue 25: a feature store built on CUDA (bf16 and fp8), and training from it with the async pipeline
+#   6. issue 5: the pipeline bench on a ~1B-parameter Qwen3-shaped target, bf16: tokens/s, busy fractions, MFU
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-gpu_checks_out}
 mkdir -p "$OUT"
-export WANDB_MODE=disabled DFLASH_CACHE_DIR="$OUT/cache"
-nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
+export WANDB_MODE=disabled DFLASH_CACHE_DIR="$OUT/cache" PYTHONUNBUFFERED=1
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
 
-echo "== 1. pipeline bench, 1B target, bf16"
-timeout 300 "$PY" -m dflash.bench pipeline size=1b device=cuda dtype=bfloat16 2>&1 | tee "$OUT/bench_1b.txt" | tail -14
+# run NAME SECONDS CMD...: the command's output to $OUT/NAME.log, and a summary line: its exit code, and where
+# it trained a run directory ($RUN_DIR, default $OUT/NAME), the run's status, last step, tau and world
+run() {
+  local name=$1 secs=$2
+  shift 2
+  local dir=${RUN_DIR:-$OUT/$name} t0=$SECONDS
+  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  local run_line=""
+  if [ -f "$dir/status.json" ]; then
+    run_line=$("$PY" - "$dir" <<'PYEOF'
+import json, sys
+from pathlib import Path
+d = Path(sys.argv[1])
+status = json.loads((d / "status.json").read_text())
+summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
+world = json.loads((d / "run.json").read_text()).get("world", {}) if (d / "run.json").exists() else {}
+print(f"status {status['status']}, step {summary.get('step')}, eval/tau {summary.get('eval/tau')}, "
+      f"world {world.get('mode')} x {world.get('size')} {world.get('backend')} {world.get('device')}"
+      + (f", error {status['error']}" if status.get("error") else ""))
+PYEOF
+)
+  fi
+  echo "$name: exit $rc in $((SECONDS - t0)) s; ${run_line:-no run directory}" | tee -a "$SUMMARY"
+  [ "$rc" -eq 0 ] || tail -15 "$OUT/$name.log"
+}
 
-echo "== 2. flex attention training + 3. feature noise on CUDA"
-timeout 300 "$PY" launch.py experiment=smoke model.device=cuda model.attention=flex schedule.noise_start=0.1 \
-  schedule.noise_end=0.01 train.max_steps=20 "hydra.run.dir=$OUT/flex_noise" > "$OUT/flex_noise.log" 2>&1
-echo "exit $?; status: $(cat "$OUT/flex_noise/status.json" 2>/dev/null | tr -d '\n ')"
-tail -5 "$OUT/flex_noise.log"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+"$PY" -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda,
+"transformers", transformers.__version__, torch.cuda.get_device_name(0))' | tee -a "$OUT/gpu.txt"
 
-echo "== 4. data parallel with NCCL (DDP, FSDP2) + dist bench"
+echo "== 1. the smoke job on CUDA, async and sync"
+SMOKE=(launch.py experiment=smoke model.device=cuda train.max_steps=20)
+run smoke_async 240 "$PY" "${SMOKE[@]}" "hydra.run.dir=$OUT/smoke_async"
+run smoke_sync 240 "$PY" "${SMOKE[@]}" pipeline=sync "hydra.run.dir=$OUT/smoke_sync"
+
+echo "== 2. flex attention training + feature noise on CUDA"
+run flex_noise 300 "$PY" "${SMOKE[@]}" model.attention=flex schedule.noise_start=0.1 schedule.noise_end=0.01 \
+  "hydra.run.dir=$OUT/flex_noise"
+
+echo "== 3. data parallel with NCCL (DDP, FSDP2), an FSDP2 resume from DCP, the dist bench"
 NGPU=$(nvidia-smi --list-gpus | wc -l)
 NPROC=$(( NGPU >= 2 ? 2 : 1 ))
+TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node=$NPROC)
 for PAR in ddp fsdp; do
-  timeout 300 "$PY" -m torch.distributed.run --standalone --nproc-per-node=$NPROC launch.py experiment=smoke \
-    parallel=$PAR train.batch_size=4 train.max_steps=20 "hydra.run.dir=$OUT/dp_$PAR" > "$OUT/dp_$PAR.log" 2>&1
-  echo "$PAR x $NPROC: exit $?; status: $(tr -d '\n ' < "$OUT/dp_$PAR/status.json" 2>/dev/null)"
+  run "dp_$PAR" 300 "${TORCHRUN[@]}" launch.py experiment=smoke parallel=$PAR train.batch_size=4 \
+    train.max_steps=20 checkpoint.every_steps=10 "hydra.run.dir=$OUT/dp_$PAR"
 done
-timeout 300 "$PY" -m dflash.bench dist device=cuda nproc=$NPROC 2>&1 | tee "$OUT/bench_dist.txt" | tail -4
+RUN_DIR=$OUT/dp_fsdp run dp_fsdp_resume 300 "${TORCHRUN[@]}" launch.py "resume=$OUT/dp_fsdp" train.max_steps=30
+run bench_dist 300 "$PY" -m dflash.bench dist device=cuda nproc=$NPROC
+tail -4 "$OUT/bench_dist.log"
 
-echo "== 5. issue 15: placement in one process, and a disaggregated target rank (NCCL p2p) on 2 GPUs"
-timeout 300 "$PY" launch.py experiment=smoke model.device=cuda "parallel.target_devices=[cuda:0]" \
-  parallel.drafter_device=cuda:0 train.max_steps=20 "hydra.run.dir=$OUT/placed" > "$OUT/placed.log" 2>&1
-echo "placed: exit $?; status: $(tr -d '\n ' < "$OUT/placed/status.json" 2>/dev/null)"
+echo "== 4. issue 15: placement in one process, and a disaggregated target rank (NCCL p2p) on 2 GPUs"
+run placed 240 "$PY" "${SMOKE[@]}" "parallel.target_devices=[cuda:0]" parallel.drafter_device=cuda:0 \
+  "hydra.run.dir=$OUT/placed"
 if [ "$NGPU" -ge 2 ]; then
-  timeout 300 "$PY" -m torch.distributed.run --standalone --nproc-per-node=2 launch.py experiment=smoke \
-    parallel=ddp parallel.target_ranks=1 train.batch_size=4 train.max_steps=20 "hydra.run.dir=$OUT/disagg" \
-    > "$OUT/disagg.log" 2>&1
-  echo "1 target + 1 drafter rank (nccl): exit $?; status: $(tr -d '\n ' < "$OUT/disagg/status.json" 2>/dev/null)"
+  run disagg 300 "$PY" -m torch.distributed.run --standalone --nproc-per-node=2 launch.py experiment=smoke \
+    parallel=ddp parallel.target_ranks=1 train.batch_size=4 train.max_steps=20 "hydra.run.dir=$OUT/disagg"
   cat "$OUT/disagg/target_rank1.json" 2>/dev/null
   if [ "$NGPU" -ge 3 ]; then  # two links on one target rank: each link's items and credits on their own groups
-    timeout 300 "$PY" -m torch.distributed.run --standalone --nproc-per-node=3 launch.py experiment=smoke \
-      parallel=ddp parallel.target_ranks=1 train.batch_size=4 train.max_steps=20 "hydra.run.dir=$OUT/disagg3" \
-      > "$OUT/disagg3.log" 2>&1
-    echo "1 target + 2 drafter ranks (nccl): exit $?; status: $(tr -d '\n ' < "$OUT/disagg3/status.json" 2>/dev/null)"
+    run disagg3 300 "$PY" -m torch.distributed.run --standalone --nproc-per-node=3 launch.py experiment=smoke \
+      parallel=ddp parallel.target_ranks=1 train.batch_size=4 train.max_steps=20 "hydra.run.dir=$OUT/disagg3"
   fi
 else
-  echo "disaggregated NCCL run skipped: needs 2 GPUs"
+  echo "disaggregated NCCL runs skipped: they need 2 GPUs" | tee -a "$SUMMARY"
 fi
+
+echo "== 5. issue 25: a feature store built on CUDA (bf16, fp8) and training from it"
+for DT in bfloat16 fp8; do
+  STORE=(experiment=smoke model.device=cuda train.max_steps=20 features.dtype=$DT "features.path=$OUT/store_$DT")
+  run "store_build_$DT" 240 "$PY" -m dflash.features build "${STORE[@]}"
+  run "store_train_$DT" 240 "$PY" launch.py "${STORE[@]}" features=store "hydra.run.dir=$OUT/store_train_$DT"
+done
+
+echo "== 6. pipeline bench, 1B target, bf16"
+run bench_1b 300 "$PY" -m dflash.bench pipeline size=1b device=cuda dtype=bfloat16
+tail -14 "$OUT/bench_1b.log"
+
+echo "== summary"
+cat "$SUMMARY"
