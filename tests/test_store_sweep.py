@@ -65,6 +65,17 @@ def test_the_goal_verdict_follows_the_numbers():
         assert line.startswith(f"sync: store sweep CPU / limit = {store_cpu / limit:.3f} (goal <= 1.10): {verdict}")
 
 
+def test_the_job_length_from_which_the_total_meets_the_goal():
+    """A store sweep costs fixed + b x steps CPU s against a limit of l x steps: with 10 s fixed and steps at
+    1.0 of the limit's, 10% of room per step is used up by the fixed costs at 100 steps, not before."""
+    assert sweep.goal_from(10.0, 1.0, 1.0, 0.10).endswith("from about 100 steps per job on")
+    for fixed, b, lim in ((16.38, 0.654, 0.628), (3.0, 0.5, 0.6)):  # run D's async figures (docs), and another
+        steps = int(sweep.goal_from(fixed, b, lim, 0.10).split("about ")[1].split()[0])
+        assert (fixed + b * steps) / (lim * steps) <= 1.10 < (fixed + b * (steps - 1)) / (lim * (steps - 1))
+    assert "at no job length" in sweep.goal_from(10.0, 1.2, 1.0, 0.10)  # each step alone is beyond the goal
+    assert "at no job length" in sweep.goal_from(10.0, -0.1, 1.0, 0.10)  # a step's cost below the noise
+
+
 def test_the_checks_of_the_bench_output_hold_for_a_report_of_known_numbers():
     """check_sweep_output (used on a real run below) against report() of numbers chosen here, both verdicts."""
     opts = {**sweep.DEFAULTS, "jobs": "2", "steps": "2", "modes": "sync"}

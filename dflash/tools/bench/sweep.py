@@ -25,7 +25,8 @@ and the bench prints the store sweep's cost over that limit and checks the goal,
 as PASS or MISS. What the limit leaves out is what a job pays besides its steps: starting Python, imports,
 loading the target or its heads, the data, the final checkpoint. Their share falls as `steps` grows; to see the
 rest, the sweeps run again at `base_steps` steps per job, and the cost per step between the two sizes (the fixed
-costs cancel) is checked against the limit's per step the same way (n/a when noise makes it negative).
+costs cancel) is checked against the limit's per step the same way (n/a when noise makes it negative), and the
+line ends with the job length from which the whole sweep meets the goal, given those fixed costs.
 
 Options: steps=30 jobs=4 seed=0 modes=sync,async batch_size=4 seq_len=256 num_anchors=16 block_size=8
 threads=1 dtype=float32 goal=0.10 base_steps=1 (0: one size only) workdir= (empty: a temporary directory,
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import resource
 import subprocess
@@ -311,8 +313,19 @@ def marginal(opts: dict, stages: dict, runs: dict, small: dict, mode: str) -> st
         f"{mode}: per step, fixed costs removed: store sweep (CPU at {steps} - at {base} steps) / {steps - base} = "
         f"{store_per_step:.3f} CPU s, limit {per_step:.3f}: ratio {ratio:.3f} (goal <= {1 + goal:.2f}): "
         f"{verdict}; fixed costs (at {base} step(s), less its limit): "
-        f"store sweep {fixed_store:.1f} CPU s, online {fixed_online:.1f}"
+        f"store sweep {fixed_store:.1f} CPU s, online {fixed_online:.1f}; "
+        + goal_from(small["store"][1] - base * store_per_step, store_per_step, per_step, goal)
     )
+
+
+def goal_from(fixed: float, store_per_step: float, limit_per_step: float, goal: float) -> str:
+    """From how many steps per job the whole store sweep meets the goal: its CPU is fixed + store_per_step x s,
+    its limit limit_per_step x s (the stages scale with the steps), so (fixed + b s) / (l s) <= 1 + goal from
+    s = fixed / ((1 + goal) l - b) on, if the steps themselves are within the goal."""
+    room = (1 + goal) * limit_per_step - store_per_step
+    if room <= 0 or store_per_step <= 0:
+        return "the total meets the goal at no job length (a step alone is beyond it, or below the noise)"
+    return f"the total meets the goal from about {max(1, math.ceil(fixed / room))} steps per job on"
 
 
 def bench(args: list[str]) -> None:
