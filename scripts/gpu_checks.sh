@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA GPU, in one short script (about 10 minutes on one H200; run from the repo root after
-# `make setup`, or with PY=python3 where a CUDA torch and the project's dependencies are installed). CPU-only
-# sessions cannot run these; their results go in docs/results.md. Each check has its own timeout; a line per
-# check goes to $OUT/summary.txt.
+# The checks that need a CUDA GPU, in one script (run from the repo root after `make setup`, or with PY=python3
+# where a CUDA torch and the project's dependencies are installed). CPU-only sessions cannot run these; their
+# results go in docs/results.md. Each check has its own timeout; a line per check goes to $OUT/summary.txt.
+# Checks 1-5 took 8.5 minutes on one H200: 30-40 s a job, of which ~17-19 s passed before its first log line
+# (Python's start and imports there) and 7-15 s training; CHECKS="6" (or any subset) runs only those checks.
 #   1. the smoke job on CUDA, async and sync pipelines (train, checkpoints, eval tau, export)
 #   2. the FlexAttention training path (model.attention=flex: a BlockMask, compiled) with feature noise on CUDA
 #      (its generator must live on the GPU)
@@ -21,6 +22,8 @@ OUT=${OUT:-gpu_checks_out}
 mkdir -p "$OUT"
 export WANDB_MODE=disabled DFLASH_CACHE_DIR="$OUT/cache" PYTHONUNBUFFERED=1
 SUMMARY="$OUT/summary.txt"
+CHECKS=${CHECKS:-1 2 3 4 5 6}  # e.g. CHECKS="6" runs the 1B bench alone (a GPU lease is short)
+wants() { [[ " $CHECKS " == *" $1 "* ]]; }
 : > "$SUMMARY"
 
 # run NAME SECONDS CMD...: the command's output to $OUT/NAME.log, and a summary line: its exit code, and where
@@ -53,53 +56,65 @@ PYEOF
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 "$PY" -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda,
 "transformers", transformers.__version__, torch.cuda.get_device_name(0))' | tee -a "$OUT/gpu.txt"
-
-echo "== 1. the smoke job on CUDA, async and sync"
-SMOKE=(launch.py experiment=smoke model.device=cuda train.max_steps=20)
-run smoke_async 240 "$PY" "${SMOKE[@]}" "hydra.run.dir=$OUT/smoke_async"
-run smoke_sync 240 "$PY" "${SMOKE[@]}" pipeline=sync "hydra.run.dir=$OUT/smoke_sync"
-
-echo "== 2. flex attention training + feature noise on CUDA"
-run flex_noise 300 "$PY" "${SMOKE[@]}" model.attention=flex schedule.noise_start=0.1 schedule.noise_end=0.01 \
-  "hydra.run.dir=$OUT/flex_noise"
-
-echo "== 3. data parallel with NCCL (DDP, FSDP2), an FSDP2 resume from DCP, the dist bench"
 NGPU=$(nvidia-smi --list-gpus | wc -l)
 NPROC=$(( NGPU >= 2 ? 2 : 1 ))
-TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node=$NPROC)
-for PAR in ddp fsdp; do
-  run "dp_$PAR" 300 "${TORCHRUN[@]}" launch.py experiment=smoke parallel=$PAR train.batch_size=4 \
-    train.max_steps=20 checkpoint.every_steps=10 "hydra.run.dir=$OUT/dp_$PAR"
-done
-RUN_DIR=$OUT/dp_fsdp run dp_fsdp_resume 300 "${TORCHRUN[@]}" launch.py "resume=$OUT/dp_fsdp" train.max_steps=30
-run bench_dist 300 "$PY" -m dflash.bench dist device=cuda nproc=$NPROC
-tail -4 "$OUT/bench_dist.log"
+SMOKE=(launch.py experiment=smoke model.device=cuda train.max_steps=20)
 
-echo "== 4. issue 15: placement in one process, and a disaggregated target rank (NCCL p2p) on 2 GPUs"
-run placed 240 "$PY" "${SMOKE[@]}" "parallel.target_devices=[cuda:0]" parallel.drafter_device=cuda:0 \
-  "hydra.run.dir=$OUT/placed"
-if [ "$NGPU" -ge 2 ]; then
-  run disagg 300 "$PY" -m torch.distributed.run --standalone --nproc-per-node=2 launch.py experiment=smoke \
-    parallel=ddp parallel.target_ranks=1 train.batch_size=4 train.max_steps=20 "hydra.run.dir=$OUT/disagg"
-  cat "$OUT/disagg/target_rank1.json" 2>/dev/null
-  if [ "$NGPU" -ge 3 ]; then  # two links on one target rank: each link's items and credits on their own groups
-    run disagg3 300 "$PY" -m torch.distributed.run --standalone --nproc-per-node=3 launch.py experiment=smoke \
-      parallel=ddp parallel.target_ranks=1 train.batch_size=4 train.max_steps=20 "hydra.run.dir=$OUT/disagg3"
-  fi
-else
-  echo "disaggregated NCCL runs skipped: they need 2 GPUs" | tee -a "$SUMMARY"
+if wants 1; then
+  echo "== 1. the smoke job on CUDA, async and sync"
+  run smoke_async 240 "$PY" "${SMOKE[@]}" "hydra.run.dir=$OUT/smoke_async"
+  run smoke_sync 240 "$PY" "${SMOKE[@]}" pipeline=sync "hydra.run.dir=$OUT/smoke_sync"
 fi
 
-echo "== 5. issue 25: a feature store built on CUDA (bf16, fp8) and training from it"
-for DT in bfloat16 fp8; do
-  STORE=(experiment=smoke model.device=cuda train.max_steps=20 features.dtype=$DT "features.path=$OUT/store_$DT")
-  run "store_build_$DT" 240 "$PY" -m dflash.features build "${STORE[@]}"
-  run "store_train_$DT" 240 "$PY" launch.py "${STORE[@]}" features=store "hydra.run.dir=$OUT/store_train_$DT"
-done
+if wants 2; then
+  echo "== 2. flex attention training + feature noise on CUDA"
+  run flex_noise 300 "$PY" "${SMOKE[@]}" model.attention=flex schedule.noise_start=0.1 schedule.noise_end=0.01 \
+    "hydra.run.dir=$OUT/flex_noise"
+fi
 
-echo "== 6. pipeline bench, 1B target, bf16"
-run bench_1b 300 "$PY" -m dflash.bench pipeline size=1b device=cuda dtype=bfloat16
-tail -14 "$OUT/bench_1b.log"
+if wants 3; then
+  echo "== 3. data parallel with NCCL (DDP, FSDP2), an FSDP2 resume from DCP, the dist bench"
+  TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node=$NPROC)
+  for PAR in ddp fsdp; do
+    run "dp_$PAR" 300 "${TORCHRUN[@]}" launch.py experiment=smoke parallel=$PAR train.batch_size=4 \
+      train.max_steps=20 checkpoint.every_steps=10 "hydra.run.dir=$OUT/dp_$PAR"
+  done
+  RUN_DIR=$OUT/dp_fsdp run dp_fsdp_resume 300 "${TORCHRUN[@]}" launch.py "resume=$OUT/dp_fsdp" train.max_steps=30
+  run bench_dist 300 "$PY" -m dflash.bench dist device=cuda nproc=$NPROC
+  tail -4 "$OUT/bench_dist.log"
+fi
+
+if wants 4; then
+  echo "== 4. issue 15: placement in one process, and a disaggregated target rank (NCCL p2p) on 2 GPUs"
+  run placed 240 "$PY" "${SMOKE[@]}" "parallel.target_devices=[cuda:0]" parallel.drafter_device=cuda:0 \
+    "hydra.run.dir=$OUT/placed"
+  if [ "$NGPU" -ge 2 ]; then
+    run disagg 300 "$PY" -m torch.distributed.run --standalone --nproc-per-node=2 launch.py experiment=smoke \
+      parallel=ddp parallel.target_ranks=1 train.batch_size=4 train.max_steps=20 "hydra.run.dir=$OUT/disagg"
+    cat "$OUT/disagg/target_rank1.json" 2>/dev/null
+    if [ "$NGPU" -ge 3 ]; then  # two links on one target rank: each link's items and credits on their own groups
+      run disagg3 300 "$PY" -m torch.distributed.run --standalone --nproc-per-node=3 launch.py experiment=smoke \
+        parallel=ddp parallel.target_ranks=1 train.batch_size=4 train.max_steps=20 "hydra.run.dir=$OUT/disagg3"
+    fi
+  else
+    echo "disaggregated NCCL runs skipped: they need 2 GPUs" | tee -a "$SUMMARY"
+  fi
+fi
+
+if wants 5; then
+  echo "== 5. issue 25: a feature store built on CUDA (bf16, fp8) and training from it"
+  for DT in bfloat16 fp8; do
+    STORE=(experiment=smoke model.device=cuda train.max_steps=20 features.dtype=$DT "features.path=$OUT/store_$DT")
+    run "store_build_$DT" 240 "$PY" -m dflash.features build "${STORE[@]}"
+    run "store_train_$DT" 240 "$PY" launch.py "${STORE[@]}" features=store "hydra.run.dir=$OUT/store_train_$DT"
+  done
+fi
+
+if wants 6; then
+  echo "== 6. pipeline bench, 1B target, bf16"
+  run bench_1b 300 "$PY" -m dflash.bench pipeline size=1b device=cuda dtype=bfloat16
+  tail -14 "$OUT/bench_1b.log"
+fi
 
 echo "== summary"
 cat "$SUMMARY"
