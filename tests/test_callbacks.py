@@ -77,7 +77,7 @@ def test_jsonl_lines_are_flushed_and_converted(tmp_path):
             "time_s": 0.5,
             "train/loss": torch.tensor(2.5),
             "perf/ktok_s": np.float32(1.5),
-            "train/acc_pos_1": np.float64(0.25),
+            "train/accuracy_1": np.float64(0.25),
         }
     )
     # read while the callback still holds the file open: the line must already be on disk
@@ -90,7 +90,7 @@ def test_jsonl_lines_are_flushed_and_converted(tmp_path):
         "time_s": 0.5,
         "train/loss": 2.5,
         "perf/ktok_s": 1.5,
-        "train/acc_pos_1": 0.25,
+        "train/accuracy_1": 0.25,
     }
     assert isinstance(rec["step"], int)
 

@@ -317,8 +317,10 @@ def test_evaluate_metrics_and_modes(chaotic_target, drafter, prompts, tok):
         "eval/lossless",
         "eval/acc_hist_4",
         "eval/acc_pos_3",
+        "eval/degenerate_target_only",  # of the target's own outputs; bench/<suite>/degenerate: the suite's
     ):
         assert key in res, key
+    assert "eval/degenerate" not in res  # one name, one meaning: the benchmark's `degenerate` is another measure
     assert res["eval/lossless"] == 1.0
     rows = res["details"]["prompts"]
     assert len(rows) == 2 and rows[0]["prompt_len"] == len(prompts[0])

@@ -254,7 +254,7 @@ def test_block_metrics_by_hand() -> None:
     m = block_metrics(correct, valid)
     assert m["train/accuracy"] == pytest.approx(6 / 8)
     assert m["train/avg_streak"] == pytest.approx(2.0)  # streaks 3 and 1
-    assert [m[f"train/acc_pos_{k}"] for k in range(1, 5)] == pytest.approx([0.5, 1.0, 0.5, 1.0])
+    assert [m[f"train/accuracy_{k}"] for k in range(1, 5)] == pytest.approx([0.5, 1.0, 0.5, 1.0])
 
 
 def test_block_metrics_invalid_position_ends_streak() -> None:
@@ -262,7 +262,7 @@ def test_block_metrics_invalid_position_ends_streak() -> None:
     valid = torch.tensor([[1, 0, 1, 1]], dtype=torch.bool)
     m = block_metrics(correct, valid)
     assert m["train/avg_streak"] == pytest.approx(2.0)
-    assert "train/acc_pos_2" not in m
+    assert "train/accuracy_2" not in m
     assert m["train/accuracy"] == pytest.approx(1.0)
 
 

@@ -194,3 +194,18 @@ def test_hf_backend_fails_only_the_records_its_template_rejects(answered, tiny_t
     failed = {f["where"].rsplit(":", 1)[1]: f["reason"] for f in _lines(failures_path(out))}
     assert failed == {"record 2": "empty_conversation", "record 3": "template_rejects", "record 4": "no_user_turn"}
     assert [r["source_index"] for r in _lines(out)] == [0, 4]
+
+
+def test_failures_are_counted_by_their_type_not_by_words_in_their_text():
+    """A connection error that mentions a template or an empty body is a failed request; the backends' own
+    refusals (and a bad record's) carry their reason whatever their message says."""
+    from dflash.data.corpus import BadRecordError
+    from dflash.tools.regen_backends import EmptyReply, TemplateRejects
+    from dflash.tools.regenerate import reason
+
+    assert reason(ConnectionError("upstream sent an empty body while rendering the template")) == "request_failed"
+    assert reason(TemplateRejects("the chat template rejects the conversation (must start with user)")) == (
+        "template_rejects"
+    )
+    assert reason(EmptyReply("no text came back")) == "empty_reply"
+    assert reason(BadRecordError("in.jsonl:4: a gpt turn alone", "no_user_turn")) == "no_user_turn"

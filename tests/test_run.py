@@ -21,7 +21,7 @@ DESIGN_TRAIN_KEYS = [
     "train/loss_kl",
     "train/accuracy",
     "train/avg_streak",
-    "train/acc_pos_1",
+    "train/accuracy_1",
     "train/lr",
     "train/noise_std",
     "train/grad_norm",

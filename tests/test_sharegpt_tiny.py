@@ -1,6 +1,6 @@
 """experiment=sharegpt_tiny (#27) at a toy size: the chat build kind builds and renders chat, the first ShareGPT
 conversations are answered again by it, and the experiment trains on them and evaluates on held-out ShareGPT
-prompts (eval/degenerate, the sharegpt suite) end to end."""
+prompts (eval/degenerate_target_only, the sharegpt suite) end to end."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def test_sharegpt_tiny_end_to_end(tmp_path, cache_dir):
     )
     metrics = json.loads((run_dir / "eval.json").read_text())["metrics"]
     assert metrics["eval/num_prompts"] >= 1 and metrics["eval/tau"] >= 1.0
-    assert 0.0 <= metrics["eval/degenerate"] <= 1.0
+    assert 0.0 <= metrics["eval/degenerate_target_only"] <= 1.0
     bench = json.loads((run_dir / "benchmarks.json").read_text())["results"]["sharegpt@T0"]
     assert bench["metrics"]["num_prompts"] == 2 and not math.isnan(bench["metrics"]["degenerate"])
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -12,6 +12,7 @@ import sys
 import pytest
 from conftest import REPO
 
+from dflash.model import plan
 from dflash.tools import store_cost
 from dflash.tools.bench import sweep
 
@@ -20,34 +21,42 @@ Q8B, Q27B = store_cost.TARGETS["Qwen3-8B"], store_cost.TARGETS["Qwen3.6-27B"]
 
 def test_store_bytes_per_token_at_each_dtype():
     # 5 layers' features + the last hidden state, each `hidden` values, plus an int64 id and a bool mask
-    assert store_cost.store_bytes(4096, 5, "float32")[0] == 6 * 4096 * 4 + 9 == 98_313
-    assert store_cost.store_bytes(4096, 5, "bfloat16")[0] == 6 * 4096 * 2 + 9
-    assert store_cost.store_bytes(5120, 5, "bfloat16")[0] == 61_449
-    assert store_cost.store_bytes(4096, 5, "fp8")[0] == 6 * (4096 + 4) + 9  # a float32 scale per token and row
+    assert store_cost.store_bytes(4096, 5, "float32") == 6 * 4096 * 4 + 9 == 98_313
+    assert store_cost.store_bytes(4096, 5, "bfloat16") == 6 * 4096 * 2 + 9
+    assert store_cost.store_bytes(5120, 5, "bfloat16") == 61_449
+    assert store_cost.store_bytes(4096, 5, "fp8") == 6 * (4096 + 4) + 9  # a float32 scale per token and row
 
 
-def test_the_drafter_is_counted_as_the_framework_builds_it():
-    d = store_cost.drafter_shape(Q8B)
+def test_the_planners_drafter_is_the_one_the_framework_builds():
+    """The plan's formula for the drafter's parameters against the built drafter (meta device), both targets."""
     per_layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 12288 + 2 * 4096 + 2 * 128  # attn, mlp, norms
-    assert d["layers"] == 5 * per_layer
-    assert d["context"] == 5 * 4096 * 4096 + 5 * 2 * 4096 * 1024  # fc (5 features -> hidden) + k/v of each layer
-    assert 1.0e9 < d["total"] < 1.1e9  # ~1.05B, the README's figure for the Qwen3-8B drafter
-    assert (d["num_layers"], d["num_features"], d["block"], d["attn_width"]) == (5, 5, 16, 32 * 128)
+    d = plan.drafter_shape(Q8B.model_config(), Q8B.shape)
+    assert (d.layers, d.features, d.layer_params) == (5, 5, per_layer)
+    for target in (Q8B, Q27B):
+        built = store_cost.drafter_params(target)
+        assert plan.drafter_shape(target.model_config(), target.shape).params == built
+    assert 1.0e9 < store_cost.drafter_params(Q8B) < 1.1e9  # ~1.05B, the README's figure for the Qwen3-8B drafter
 
 
-def test_flops_and_gpu_hours_add_up():
-    d = store_cost.drafter_shape(Q27B)
-    target, drafter = store_cost.flops_per_sequence(Q27B, d, seq_len=3072, anchors=512)
-    assert target == 2 * 27e9 * 3072
+def test_one_flop_model_for_the_plan_and_the_store_cost():
+    """store_cost's GPU-hours come from the planner's FLOPs (the two once disagreed about the target's embedding
+    and LM head), and those FLOPs are the terms of flops_per_sequence's docstring, counted here by hand."""
+    t, S, A, B = Q27B.shape, 3072, 512, 16
+    f = plan.flops_per_sequence(Q27B.model_config(), t, seq_len=S, anchors=A)
+    no_heads = 27e9 - 2 * 248320 * 5120  # the features need neither the embedding nor the LM head
+    assert f["target"] == pytest.approx((2 * no_heads + 2 * 64 * 24 * 256 * S) * S)
+    d = plan.drafter_shape(Q27B.model_config(), t)
     by_hand = (
-        6 * d["layers"] * 512 * 16
-        + 6 * d["context"] * 3072
-        + 12 * 24 * 256 * 5 * 512 * 16 * (1536 + 16)
-        + 6 * 5120 * 248320 * 512 * 15
+        6 * d.layer_params * 5 * A * B
+        + 6 * (5 * 5120 * 5120 + 2 * 5120 * 4 * 256 * 5) * S  # fc and every layer's k/v over the context
+        + 12 * 24 * 256 * 5 * A * B * (S / 2 + B)
+        + 6 * 5120 * 248320 * A * (B - 1)
     )
-    assert drafter == pytest.approx(by_hand)
-    r = store_cost.sweep_gpu_hours(Q27B, jobs=9, tokens=1.2e9, seq_len=3072, anchors=512, mfu=0.4, peak_tflops=989.4)
-    assert r["target_pass_h"] == pytest.approx(2 * 27e9 * 1.2e9 / (989.4e12 * 0.4) / 3600)  # 45.5 h
+    assert f["drafter"] == pytest.approx(by_hand)
+    r = store_cost.sweep_gpu_hours(Q27B, jobs=9, tokens=1.2e9, seq_len=S, anchors=A, mfu=0.4, peak_tflops=989.4)
+    sequences, rate = 1.2e9 / S, 989.4e12 * 0.4
+    assert r["target_pass_h"] == pytest.approx(f["target"] * sequences / rate / 3600)
+    assert r["drafter_pass_h"] == pytest.approx(f["drafter"] * sequences / rate / 3600)
     assert r["online_h"] == pytest.approx(9 * (r["target_pass_h"] + r["drafter_pass_h"]))
     assert r["store_h"] == pytest.approx(r["target_pass_h"] + 9 * r["drafter_pass_h"])
     assert r["saved_h"] == pytest.approx(r["online_h"] - r["store_h"]) and r["saved_h"] > 0

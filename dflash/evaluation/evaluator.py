@@ -104,7 +104,7 @@ def evaluate(
     token, prefill excluded; = decode-time ratio when both emit the same tokens), eval/lossless (temperature 0
     only: 1.0 if every DFlash output equals the target-only output), eval/tau_baseline and eval/speedup_baseline
     (prompt lookup, if `baselines`), eval/tau_untrained (if `untrained_drafter`), eval/num_prompts,
-    eval/new_tokens, eval/time_s, eval/degenerate (share of the target's own outputs that end in a loop of a
+    eval/new_tokens, eval/time_s, eval/degenerate_target_only (share of the target's own outputs that end in a loop of a
     short pattern: dflash/repetition.py); plus `details` (per prompt: prompt length, tokens, accept lengths)
     for eval.json.
 
@@ -186,7 +186,7 @@ def evaluate(
     metrics["eval/num_prompts"] = len(prompts)
     metrics["eval/new_tokens"] = sum(len(r.tokens) for r in dflash)
     # of the target's own answers (what the drafter is asked to match), not the drafter's
-    metrics["eval/degenerate"] = degenerate_share([r.tokens for r in target_only], _stop_ids(eos_id))
+    metrics["eval/degenerate_target_only"] = degenerate_share([r.tokens for r in target_only], _stop_ids(eos_id))
     metrics["eval/time_s"] = time.perf_counter() - t_start
     metrics["details"] = _details(
         prompts,

@@ -190,19 +190,37 @@ def largest_fit(
     return out
 
 
-def flops_per_token(cfg, t: TargetShape) -> dict[str, float]:
-    """FLOPs per context token: the target's forward, and the drafter's training step (forward and backward,
-    its LM head over the drafted positions included)."""
-    m, tr = cfg.model, cfg.train
-    d = drafter_shape(m, t)
-    S, A, B, H = tr.seq_len, tr.num_anchors, m.block_size, t.hidden
-    blocks = A * B / S  # block tokens per context token
-    target = 2 * (t.total_params - t.head_params) + 2 * t.layers * S * t.heads * t.head_dim
-    kv = 2 * H * d.kv_heads * d.head_dim * d.layers  # the context's keys/values in every drafter layer
-    attn = 4 * d.heads * d.head_dim * (S + A * B) * d.layers
-    head = (B - 1) / B * t.vocab * H * 2 * (3 if cfg.loss.name != "ce_decay" else 2)  # + the teacher's logits
-    drafter = 3 * (2 * d.features * H * H + kv) + blocks * (3 * (2 * d.layers * d.layer_params + attn) + head)
+def flops_per_sequence(model_cfg, t: TargetShape, seq_len: int, anchors: int) -> dict[str, float]:
+    """FLOPs of one training sequence of `seq_len` tokens with `anchors` blocks of `model.block_size` (the one
+    FLOP model: `python -m dflash.plan` and `python -m dflash.tools.store_cost` both use it):
+
+      target    2 x (params less the embedding and LM head: the features need neither) per token, plus its
+                causal attention, 2 x layers x heads x head_dim x seq_len per token (every layer counted as full
+                attention: an upper bound for a hybrid target)
+      drafter   6 x (its layers' parameters) x anchors x block  (forward + backward of the block tokens)
+              + 6 x (fc + every layer's k_proj, v_proj) x seq_len (the context's keys and values, trained too)
+              + 3 x 4 x heads x head_dim x layers x anchors x block x (seq_len / 2 + block): scores and values over
+                the keys a query may see (the context before a uniform anchor and its own block), what a block
+                mask computes (a dense mask on a CPU computes all seq_len + anchors x block)
+              + 6 x hidden x vocab x anchors x (block - 1): the frozen LM head's forward and input gradient (4)
+                and the teacher's logits from the stored last hidden state (2), for every loss (sim_tau compares
+                the draft's argmax with the teacher's)"""
+    d = drafter_shape(model_cfg, t)
+    S, A, B, H = seq_len, anchors, model_cfg.block_size, t.hidden
+    block_tokens = A * B
+    target = (2 * (t.total_params - t.head_params) + 2 * t.layers * t.heads * t.head_dim * S) * S
+    fc, kv = d.features * H * H, 2 * H * d.kv_heads * d.head_dim * d.layers
+    attention = 3 * 4 * d.heads * d.head_dim * d.layers * block_tokens * (S / 2 + B)
+    head = 6 * H * t.vocab * A * (B - 1)
+    drafter = 6 * d.layers * d.layer_params * block_tokens + 6 * (fc + kv) * S + attention + head
     return {"target": float(target), "drafter": float(drafter)}
+
+
+def flops_per_token(cfg, t: TargetShape) -> dict[str, float]:
+    """flops_per_sequence per context token at the run's train.seq_len and train.num_anchors."""
+    S = cfg.train.seq_len
+    f = flops_per_sequence(cfg.model, t, S, cfg.train.num_anchors)
+    return {k: v / S for k, v in f.items()}
 
 
 def headline(cfg, t: TargetShape, nproc: int = 1, device: str | None = None) -> dict:

@@ -13,6 +13,20 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+class ReplyFailed(ValueError):
+    """A record's reply that a backend refuses, with the reason it is counted under (regenerate.reason)."""
+
+    reason = "request_failed"
+
+
+class TemplateRejects(ReplyFailed):
+    reason = "template_rejects"
+
+
+class EmptyReply(ReplyFailed):
+    reason = "empty_reply"
+
+
 @dataclass
 class GenerationSettings:
     max_new_tokens: int = 512
@@ -72,7 +86,7 @@ class HFBackend:
                     c, tokenize=False, add_generation_prompt=True, **s.chat_template_kwargs()
                 )
             except Exception as e:  # noqa: BLE001 - the template rejects this conversation: its failure alone
-                replies[i] = ValueError(f"the chat template rejects the conversation ({e})")
+                replies[i] = TemplateRejects(f"the chat template rejects the conversation ({e})")
                 continue
             ids.append(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
             asked.append(i)
@@ -84,7 +98,7 @@ class HFBackend:
             if out and out[-1] in self.stop_ids:
                 out = out[:-1]  # the end-of-turn token is the template's, not the content's
             text = self.tokenizer.decode(out, skip_special_tokens=False)
-            replies[i] = text if text.strip() else ValueError("the target's reply is empty")
+            replies[i] = text if text.strip() else EmptyReply("the target's reply is empty")
         return replies
 
 
@@ -139,7 +153,7 @@ class OpenAIBackend:
         if reasoning:  # servers with a reasoning parser return the think block apart from the answer
             content = f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}"
         if not content.strip():
-            raise ValueError("the server returned an empty reply")
+            raise EmptyReply("the server returned an empty reply")
         return content
 
     def complete(self, conversations: list[list[dict]]) -> list[str | BaseException]:

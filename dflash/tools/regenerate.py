@@ -30,6 +30,7 @@ from dflash.data.chat import first_user, parse_line, record_messages
 from dflash.data.corpus import BadRecordError
 from dflash.data.records import iter_raw_records, read_error_reason
 from dflash.disk import check_free
+from dflash.tools.regen_backends import ReplyFailed
 
 log = logging.getLogger("dflash.regenerate")
 
@@ -201,12 +202,8 @@ def regenerate_file(in_path: Path, out: Path, backend, chunk_size: int) -> Outco
 
 def reason(error: BaseException) -> str:
     """What a failed record is counted under: a bad record's reason, or what the backend's failure was."""
-    if isinstance(error, BadRecordError):
+    if isinstance(error, (BadRecordError, ReplyFailed)):  # by type: an error's text may say anything
         return error.reason
-    if "TemplateError" in type(error).__name__ or "template" in str(error).lower():
-        return "template_rejects"
-    if "empty" in str(error):
-        return "empty_reply"
     return "request_failed"
 
 

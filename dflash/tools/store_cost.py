@@ -3,19 +3,9 @@ GPU-hours from FLOPs, and the bytes it takes per token. Arithmetic on published 
 
 The structure is the one `python -m dflash.bench sweep` measures on CPU: an online sweep of N jobs pays N target
 passes and N drafter passes; a sweep from the store pays one target pass, N drafter passes and the store's I/O.
-FLOPs per training sequence of `seq_len` tokens with `anchors` blocks of `block` tokens:
-
-  target    2 x params x seq_len (a forward; every parameter once per token, embeddings and LM head included)
-  drafter   6 x (its layers' parameters) x anchors x block  (forward + backward of the block tokens)
-          + 6 x (fc + every layer's k_proj, v_proj) x seq_len (the context's keys and values, trained too)
-          + 3 x 4 x heads x head_dim x layers x anchors x block x (seq_len / 2 + block)  (attention scores and
-            values over the context before a uniform anchor, forward + backward)
-          + 6 x hidden x vocab x anchors x (block - 1): the frozen LM head's forward and input gradient (4) and the
-            KL teacher's logits from the stored last hidden state (2)
-
-The drafter's shape is the one the framework builds for the target (`build_drafter_config` with the model preset's
-settings), its parameters counted on the meta device. The target's attention scores are left out, which makes
-the target's share and the saving smaller, not larger.
+FLOPs per training sequence are `dflash.model.plan.flops_per_sequence`'s (the planner's one FLOP model; its
+docstring has the terms), for the drafter the framework builds for the target from the model preset
+(`build_drafter_config` with the preset's settings, its parameters also counted on the meta device).
 """
 
 from __future__ import annotations
@@ -24,120 +14,87 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash.model.plan import KNOWN_TARGETS
+from dflash.model.plan import KNOWN_TARGETS, TargetShape, flops_per_sequence
 
 CONF_MODEL = Path(__file__).resolve().parents[2] / "conf" / "model"
 H200_BF16_TFLOPS = 989.4  # dense bf16 peak, no sparsity (as the pipeline bench uses)
 
 
 @dataclass(frozen=True)
-class TargetShape:
-    """A target's published config.json numbers and its parameter count, with the model preset that names it."""
+class Target:
+    """A hub target's published shape (`dflash.model.plan.KNOWN_TARGETS`) and the model preset that names it."""
 
     preset: str  # conf/model/<preset>.yaml: the drafter settings the framework uses for it
-    params: float
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
+    hub_name: str
 
+    @property
+    def shape(self) -> TargetShape:
+        return KNOWN_TARGETS[self.hub_name]
 
-def _published(preset: str, hub_name: str) -> TargetShape:
-    """The shape `python -m dflash.plan` knows for a hub target (one table of published shapes)."""
-    s = KNOWN_TARGETS[hub_name]
-    return TargetShape(
-        preset, float(s.total_params), s.hidden, s.intermediate, s.layers, s.heads, s.kv_heads, s.head_dim, s.vocab
-    )
+    def model_config(self):
+        from omegaconf import OmegaConf
+
+        from dflash.config import ModelConfig
+
+        return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(CONF_MODEL / f"{self.preset}.yaml"))
 
 
 TARGETS = {
-    "Qwen3-8B": _published("qwen3_8b", "Qwen/Qwen3-8B"),
+    "Qwen3-8B": Target("qwen3_8b", "Qwen/Qwen3-8B"),
     # Qwen3.6-27B: 64 layers, 24 heads of 256, 4 KV heads, hybrid attention; its total is the published ~27B
-    "Qwen3.6-27B": _published("qwen3_6_27b", "Qwen/Qwen3.6-27B"),
+    "Qwen3.6-27B": Target("qwen3_6_27b", "Qwen/Qwen3.6-27B"),
 }
 STORE_DTYPES = ("float32", "bfloat16", "fp8")
 
 
-def drafter_shape(target: TargetShape) -> dict:
-    """The framework's drafter for this target: parameters of its layers, of the context path (fc and each
-    layer's k_proj/v_proj) and its attention shape, from the model preset and build_drafter_config."""
+def drafter_params(target: Target) -> int:
+    """The parameters of the drafter the framework builds for this target (build_drafter_config from the
+    model preset), counted on the meta device: what the planner's formula must equal."""
     import torch
-    from omegaconf import OmegaConf
     from transformers import Qwen3Config
 
-    from dflash.config import ModelConfig
     from dflash.model.build import build_drafter_config
     from dflash.model.drafter import DFlashDraftModel
 
-    model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(CONF_MODEL / f"{target.preset}.yaml"))
+    t, model_cfg = target.shape, target.model_config()
     target_config = Qwen3Config(
-        vocab_size=target.vocab,
-        hidden_size=target.hidden,
-        intermediate_size=target.intermediate,
-        num_hidden_layers=target.layers,
-        num_attention_heads=target.heads,
-        num_key_value_heads=target.kv_heads,
-        head_dim=target.head_dim,
+        vocab_size=t.vocab,
+        hidden_size=t.hidden,
+        intermediate_size=t.intermediate,
+        num_hidden_layers=t.layers,
+        num_attention_heads=t.heads,
+        num_key_value_heads=t.kv_heads,
+        head_dim=t.head_dim,
         max_position_embeddings=40960,
     )
     layer_ids = list(model_cfg.target_layer_ids)
     config = build_drafter_config(target_config, model_cfg, layer_ids, model_cfg.mask_token_id)
     with torch.device("meta"):
         drafter = DFlashDraftModel(config)
-    params = dict(drafter.named_parameters())
-    layers = sum(p.numel() for n, p in params.items() if n.startswith("layers."))
-    kv = sum(p.numel() for n, p in params.items() if n.startswith("layers.") and (".k_proj." in n or ".v_proj." in n))
-    return {
-        "layers": layers,
-        "context": params["fc.weight"].numel() + kv,
-        "total": sum(p.numel() for p in params.values()),
-        "num_layers": config.num_hidden_layers,
-        "attn_width": config.num_attention_heads * config.head_dim,
-        "num_features": len(layer_ids),
-        "block": model_cfg.block_size,
-    }
+    return sum(p.numel() for p in drafter.parameters())
 
 
-def flops_per_sequence(target: TargetShape, drafter: dict, seq_len: int, anchors: int) -> tuple[float, float]:
-    """(target forward, drafter training step) FLOPs of one sequence; the terms are in the module docstring."""
-    block = drafter["block"]
-    block_tokens = anchors * block
-    target_flops = 2 * target.params * seq_len
-    attention = 3 * 4 * drafter["attn_width"] * drafter["num_layers"] * block_tokens * (seq_len / 2 + block)
-    lm_head = 6 * target.hidden * target.vocab * anchors * (block - 1)
-    drafter_flops = 6 * drafter["layers"] * block_tokens + 6 * drafter["context"] * seq_len + attention + lm_head
-    return target_flops, drafter_flops
-
-
-def store_bytes(hidden: int, num_layers: int, dtype: str) -> tuple[int, bool]:
-    """(bytes per token, from the store's own formula?) at `dtype`. fp8 before the store supports it: the same
-    formula with 1 byte per value and a float32 scale per token and stored tensor row (False)."""
+def store_bytes(hidden: int, num_layers: int, dtype: str) -> int:
+    """Bytes per token at `dtype`: the store's own formula."""
     from dflash.train.feature_store import store_bytes_per_token
 
-    try:
-        return store_bytes_per_token(hidden, num_layers, dtype), True
-    except KeyError:
-        if dtype != "fp8":
-            raise
-        return (num_layers + 1) * (hidden * 1 + 4) + 9, False
+    return store_bytes_per_token(hidden, num_layers, dtype)
 
 
 def sweep_gpu_hours(
-    target: TargetShape, jobs: int, tokens: float, seq_len: int, anchors: int, mfu: float, peak_tflops: float
+    target: Target, jobs: int, tokens: float, seq_len: int, anchors: int, mfu: float, peak_tflops: float
 ) -> dict:
     """GPU-hours of an online sweep and of one from the store (I/O overlapped with compute), and what the store
     must stream per GPU at bf16 to keep up with the drafter."""
-    drafter = drafter_shape(target)
-    target_flops, drafter_flops = flops_per_sequence(target, drafter, seq_len, anchors)
+    model_cfg = target.model_config()
+    flops = flops_per_sequence(model_cfg, target.shape, seq_len, anchors)
+    target_flops, drafter_flops = flops["target"], flops["drafter"]
     sequences = tokens / seq_len
     rate = peak_tflops * 1e12 * mfu  # FLOP/s a GPU sustains
     target_h, drafter_h = (f * sequences / rate / 3600 for f in (target_flops, drafter_flops))
-    per_token, _ = store_bytes(target.hidden, drafter["num_features"], "bfloat16")
+    per_token = store_bytes(target.shape.hidden, len(model_cfg.target_layer_ids), "bfloat16")
     return {
-        "drafter_params": drafter["total"],
+        "drafter_params": drafter_params(target),
         "target_share": target_flops / (target_flops + drafter_flops),
         "target_pass_h": target_h,
         "drafter_pass_h": drafter_h,
@@ -181,9 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|")
     for name, target in TARGETS.items():
         for dtype in STORE_DTYPES:
-            per_token, native = store_bytes(target.hidden, 5, dtype)
-            note = "" if native else " (formula; fp8 not in this build's store)"
-            print(f"| {name} | {dtype}{note} | {per_token:,} | {tokens * per_token / 1e12:,.1f} |")
+            per_token = store_bytes(target.shape.hidden, 5, dtype)
+            print(f"| {name} | {dtype} | {per_token:,} | {tokens * per_token / 1e12:,.1f} |")
 
 
 if __name__ == "__main__":

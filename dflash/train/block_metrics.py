@@ -71,7 +71,7 @@ class BlockMetricsAccumulator:
                 self._sim = self._sim + sim
 
     def compute(self) -> dict[str, float]:
-        """`train/accuracy`, `train/avg_streak`, `train/sim_tau`, `train/acc_pos_<k>` (k = 1..B-1); keys with no data
+        """`train/accuracy`, `train/avg_streak`, `train/sim_tau`, `train/accuracy_<k>` (k = 1..B-1); keys with no data
         are omitted."""
         with self._lock:
             if self._valid_per_pos is None:
@@ -90,7 +90,7 @@ class BlockMetricsAccumulator:
             out["train/sim_tau"] = sim_sum / sim_blocks
         for k, (vk, ck) in enumerate(zip(v, c), start=1):
             if vk > 0:
-                out[f"train/acc_pos_{k}"] = ck / vk
+                out[f"train/accuracy_{k}"] = ck / vk
         return out
 
 
@@ -109,7 +109,8 @@ def block_metrics(
                       (the teacher-forced proxy of the acceptance length tau; the anchor counts as 1).
     train/sim_tau:    as avg_streak, counting positions where the draft's argmax is the target's argmax (greedy
                       verification), given target_correct.
-    train/acc_pos_k:  accuracy at block position k over blocks where k is valid.
+    train/accuracy_k: accuracy at block position k over blocks where k is valid (not conditional on the
+                      earlier positions; eval/acc_pos_k is the share of cycles accepting at least k drafts).
     """
     acc = BlockMetricsAccumulator()
     acc.update(correct, valid, target_correct)
