@@ -14,6 +14,9 @@ from dflash.distributed import resolve_device
 log = logging.getLogger(__name__)
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+# the target's attention kernels (transformers' attn_implementation; its default for Qwen3 too), named so that
+# its features do not change with transformers' choice; a feature store's manifest records it
+TARGET_ATTENTION = "sdpa"
 
 
 def check_target_exists(target: str) -> None:
@@ -53,7 +56,7 @@ class TargetModel(nn.Module):
         from transformers import AutoModelForCausalLM
 
         check_target_exists(target)
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=DTYPES[dtype])
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=DTYPES[dtype], attn_implementation=TARGET_ATTENTION)
         model.to(resolve_device(device))
         log.info(
             "target %s: %s, %d layers, hidden %d, %.1fM params, features from layers %s",

@@ -8,7 +8,6 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +64,11 @@ class HFBackend:
 
     def identity(self) -> dict:
         """Who answers: the target's files (hashed, as the feature store's manifest hashes them) and settings."""
-        from dflash.data.fingerprint import TARGET_FILES, TOKENIZER_FILES, hashed_files
+        from dflash.data.fingerprint import TOKENIZER_FILES, target_hashes
 
         # build_info.json: an embedded target rebuilt with other settings at the same path
-        files = hashed_files(Path(self.name).expanduser(), (*TARGET_FILES, "build_info.json", *TOKENIZER_FILES))
-        return {"backend": "hf", "target": self.name, "target_files": files or {"hub": self.name},
+        files = target_hashes(self.name, ("build_info.json", *TOKENIZER_FILES))
+        return {"backend": "hf", "target": self.name, "target_files": files,
                 "dtype": self.dtype, **asdict(self.settings)}  # fmt: skip
 
     def complete(self, conversations: list[list[dict]]) -> list[str | BaseException]:

@@ -62,7 +62,7 @@ def check_manifest(store: Path, expected: dict) -> dict:
             "run's overrides, or features.build_missing=true)"
         )
     diffs = [
-        f"{key}: store {found.get(key)!r} vs run {value!r}"
+        f"{key}: store {found.get(key, 'not recorded')!r} vs run {value!r}"
         for key, value in expected.items()
         if key != "num_batches" and found.get(key) != value
     ]
@@ -255,15 +255,18 @@ def manifest_for(cfg, layer_ids: list[int], data_fingerprint: dict | None) -> di
     from omegaconf import OmegaConf
 
     from dflash.data.chat_dataset import RENDER_VERSION
-    from dflash.data.fingerprint import TARGET_FILES, TOKENIZER_FILES, hashed_files
+    from dflash.data.fingerprint import TOKENIZER_FILES, hashed_files, hub_entry, target_hashes
+    from dflash.model.target import TARGET_ATTENTION
 
     target = Path(cfg.model.target).expanduser()
-    tokenizer = hashed_files(target, TOKENIZER_FILES) or {"hub": str(target)}
+    tokenizer = hashed_files(target, TOKENIZER_FILES) or hub_entry(str(target))
     return {
         "feature_version": FEATURE_VERSION,
         "model.target": str(cfg.model.target),
-        "target_files": hashed_files(target, TARGET_FILES) or {"hub": str(target)},
+        "target_files": target_hashes(str(target)),  # every shard the index names; a hub name's revision
         "model.target_layer_ids": list(layer_ids),
+        "model.dtype": cfg.model.dtype,  # the target's: its features in bfloat16 are not its features in float32
+        "target.attn_implementation": TARGET_ATTENTION,
         "features.dtype": cfg.features.dtype,
         "train.seq_len": cfg.train.seq_len,
         "train.batch_size": cfg.train.batch_size,
