@@ -1,5 +1,7 @@
 """Entry point: `python launch.py [group=option ...] [key=value ...]`, `-m` for sweeps; under torchrun every
-rank runs it (`torchrun --nproc-per-node=N launch.py parallel=ddp ...`). See README.md."""
+rank runs it (`torchrun --nproc-per-node=N launch.py parallel=ddp ...`). The original pipeline's
+`--wandb-project`, `--wandb-run-name` and `--no-wandb` are aliases of Hydra keys (dflash/cli_flags.py). See
+README.md."""
 
 import atexit
 import os
@@ -9,6 +11,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from dflash.cli_flags import FlagError, translate_wandb_flags
 from dflash.config import register_configs
 from dflash.rundir import CONFIG_FILE
 
@@ -32,6 +35,15 @@ def _route_resume(argv: list[str]) -> list[str]:
                 argv = argv + [f"hydra.run.dir={run_dir}", "hydra.output_subdir=.hydra/resume"]
             return argv
     return argv
+
+
+def _translate_flags(argv: list[str]) -> list[str]:
+    """The original pipeline's W&B flags (--wandb-project, --wandb-run-name, --no-wandb) as Hydra overrides; a
+    contradiction is refused before Hydra makes a run directory (and on every torchrun rank before it joins)."""
+    try:
+        return translate_wandb_flags(argv)
+    except FlagError as e:
+        sys.exit(f"error: {e}")
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -58,5 +70,5 @@ if __name__ == "__main__":
     from dflash.distributed import agree_on_launch, shutdown
 
     atexit.register(shutdown)  # torchrun: leave the process group once, after every job of a multirun
-    sys.argv = agree_on_launch(_route_resume(sys.argv), Path(__file__).parent / "conf")
+    sys.argv = agree_on_launch(_route_resume(_translate_flags(sys.argv)), Path(__file__).parent / "conf")
     main()
