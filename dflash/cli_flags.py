@@ -7,8 +7,8 @@
 `--flag=value` and `--flag value` both work. The flags become Hydra overrides in argv before Hydra parses it
 (on every torchrun rank alike), so the resolved config, `.hydra/overrides.yaml` and run.json show the key that
 took effect. A NAME is taken literally, as argparse took it: it is quoted for Hydra where Hydra would read it
-otherwise (`a,b` would be a sweep, `123` a number). A flag and an override of its key with another value (or a
-W&B-on override beside `--no-wandb`) are refused, naming both.
+otherwise (`a,b` would be a sweep, `123` a number); a `${...}` in it is resolved, as in the key. A flag and
+an override of its key with another value (or a W&B-on override beside `--no-wandb`) are refused, naming both.
 """
 
 from __future__ import annotations
