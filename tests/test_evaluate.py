@@ -147,11 +147,11 @@ SCRIPT_LENGTHS = [3, 1, 4, 4, 2]
 
 def test_hand_built_accept_lengths_tokens_and_cache():
     target = CountingTarget()
-    # 1 token from the prefill + 3 + 1 + 4 + 4 + 2 from the cycles = 15
-    res = verify_generate(target, ScriptedProposer(SCRIPT), [3, 9, 10], max_new_tokens=15, block_size=4)
+    # 1 token from the prefill + 3 + 1 + 4 + 4 + 2 from the cycles = 15; the fifth cycle's anchor is the 14th
+    res = verify_generate(target, ScriptedProposer(SCRIPT), [3, 9, 10], max_new_tokens=14, block_size=4)
     assert res.accept_lengths == SCRIPT_LENGTHS
     assert res.cycles == 5
-    assert res.tokens == list(range(11, 26))  # lossless: exactly the target's own continuation
+    assert res.tokens == list(range(11, 25))  # lossless: exactly the target's own continuation, cut at 14
     # the target cache before each verify holds every token but the anchor: prompt (3) + emitted - 1
     assert [c[0] for c in target.calls] == [0, 3, 6, 7, 11, 15]
     # verify blocks are [anchor, d1, d2, d3]; cycle 1 anchor 11, wrong third draft 14 + 7 = 21
@@ -182,6 +182,18 @@ def test_max_new_tokens_truncates_final_emit():
     assert res.accept_lengths == [3, 1, 4, 4]
 
 
+def test_cycles_are_counted_as_zlab_counts_them_at_the_limit():
+    """z-lab's loop runs while fewer than max_new_tokens tokens precede the anchor (`start < max_length`): 15 new
+    tokens after 5 cycles with a limit of 15 verify a sixth block, whose 4 accepted tokens count though none is
+    kept (z-lab's issue-37 prompt: 38 cycles and 71 tokens for 64, where a stop at the limit gave 37)."""
+    res = verify_generate(CountingTarget(), ScriptedProposer([*SCRIPT, None]), [10], max_new_tokens=15, block_size=4)
+    assert res.accept_lengths == [*SCRIPT_LENGTHS, 4] and res.cycles == 6
+    assert res.tokens == list(range(11, 26))  # 15: the sixth block's tokens are past the limit
+    # a stop token from the prefill: z-lab checks for one only after a cycle, so one cycle runs and counts
+    res = verify_generate(CountingTarget(), ScriptedProposer([None]), [10], max_new_tokens=8, block_size=4, eos_id=11)
+    assert res.tokens == [11] and res.accept_lengths == [4]
+
+
 def test_eos_stops_generation():
     res = verify_generate(CountingTarget(), ScriptedProposer(SCRIPT), [10], max_new_tokens=50, block_size=4, eos_id=16)
     # cycle 3 emits 16..19 in one go; output ends right after the EOS 16
@@ -193,7 +205,7 @@ def test_block_size_one_is_plain_decoding():
     target = CountingTarget()
     res = verify_generate(target, ScriptedProposer([]), [5], max_new_tokens=4, block_size=1)
     assert res.tokens == [6, 7, 8, 9]
-    assert res.accept_lengths == [1, 1, 1]
+    assert res.accept_lengths == [1, 1, 1, 1]  # z-lab's rule: a cycle for each anchor within the limit
     assert all(len(ids) == 1 for _, ids in target.calls[1:])  # one token per target forward
 
 

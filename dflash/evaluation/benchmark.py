@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dflash.evaluation.decoding import acceptance_stats, speculative_generate
+from dflash.evaluation.decoding import CYCLE_RULE, acceptance_stats, speculative_generate
 from dflash.evaluation.evaluator import evaluate
 from dflash.evaluation.suites import ZLAB_SEED, chat_prompt, suite_prompts
 from dflash.jsonio import read_json, write_json, write_text_atomic
@@ -175,6 +175,7 @@ def run_benchmarks(
         sample_seed=sample_seed,
         lookup=lookup,
         eos_id=tokenizer.eos_token_id,
+        cycles=CYCLE_RULE,  # results counted by another rule are not reused
     )
     data = read_json(path) or {}
     data.update({"info": info or {}, "versions": {**package_versions(), **_data_versions()}})

@@ -16,7 +16,10 @@ own posterior (argmax at temperature 0, a sample from softmax(logits / T) otherw
 where they equal it), so greedy speculative output equals greedy target decoding up to float round-off.
 
 tau (acceptance length) = accepted drafts + 1 per verify cycle, in [1, B]; `acceptance_stats` pools the cycles
-of all prompts.
+of all prompts. Cycles are counted as z-lab's loop counts them (CYCLE_RULE): a cycle runs while fewer than
+max_new_tokens tokens precede its anchor (z-lab: `while start < max_length`), so a generation that reaches the
+limit exactly verifies one more block, whose acceptance counts in full though its tokens are cut at the limit;
+a stop token ends the loop after the cycle that emits it, or after the first cycle when the prefill's token is one.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from dflash import interrupts
 from dflash.model.drafter import DFlashDraftModel, DraftKVCache
 
 EosIds = int | Sequence[int] | None
+CYCLE_RULE = "zlab"  # which cycles count (module docstring); benchmarks.json's settings record it
 
 
 @dataclass
@@ -42,7 +46,7 @@ class GenerationResult:
 
     tokens: the new tokens (first token from the prefill included; truncated at EOS (kept) or max_new_tokens).
     accept_lengths: per verify cycle, accepted drafts + 1, in [1, block_size] (the last cycle's value is the
-        full acceptance even when max_new_tokens truncated what it emitted).
+        full acceptance even when max_new_tokens truncated what it emitted; cycles as z-lab counts them).
     decode_time_s: wall time of the verify cycles (prefill and first token excluded).
     """
 
@@ -302,7 +306,7 @@ def verify_generate(
 
     seq = list(prompt_ids) + new
     accept_lengths: list[int] = []
-    while len(new) < max_new_tokens and new[-1] not in eos:
+    while len(new) - 1 < max_new_tokens:  # z-lab's `start < max_length`: the tokens before the anchor
         interrupts.check("eval")  # a stop request ends even a long generation within a cycle
         start = len(seq) - 1  # the anchor's position; the target cache holds positions 0 .. start - 1
         drafts = proposer.propose(seq, features, block_size - 1) if block_size > 1 else []
@@ -318,7 +322,7 @@ def verify_generate(
         accept_lengths.append(a + 1)
         seq.extend(emit)
         new.extend(emit)
-        if eos.intersection(emit):
+        if eos.intersection(emit) or new[0] in eos:  # z-lab checks for a stop token after a cycle only
             break
 
     for i, tok in enumerate(new):  # stop right after the first EOS
