@@ -25,7 +25,14 @@ from dflash.disk import check_free, mib
 from dflash.distributed import RankFailed, World, resolve_device
 from dflash.sources import target_and_data, target_files
 from dflash.terminal import display
-from dflash.train.feature_store import INDEX, StoreWriter, manifest_for, store_bytes_per_token, store_path
+from dflash.train.feature_store import (
+    StoreMismatch,
+    StoreWriter,
+    manifest_for,
+    store_bytes_per_token,
+    store_path,
+    stored_batches,
+)
 from dflash.train.trainer import total_steps
 
 log = logging.getLogger(__name__)
@@ -39,16 +46,9 @@ def planned_bytes(cfg: DictConfig, files) -> tuple[int, int]:
     return batches, tokens * per_token
 
 
-def is_complete(store: Path) -> bool:
-    from dflash.jsonio import read_json
-
-    index = read_json(Path(store) / INDEX, default=None)
-    return isinstance(index, dict) and bool(index.get("complete"))
-
-
 def build_store(cfg: DictConfig, world: World | None = None) -> Path:
-    """Build (or finish building) the store `cfg` reads, sharing the shards among `world`'s ranks; returns its
-    path. Refuses to start without the room."""
+    """Build (or finish building, or extend to more batches) the store `cfg` reads, sharing the shards among
+    `world`'s ranks; returns its path. Refuses to start without the room."""
     world = world or World()
     files = target_files(cfg, world)
     fingerprint = world.broadcast_to_all(data_fingerprint(cfg.data, cfg.model.target) if world.is_main else None)
@@ -62,7 +62,7 @@ def build_store(cfg: DictConfig, world: World | None = None) -> Path:
         if lock is not None:
             fcntl.flock(lock, fcntl.LOCK_EX)
         if world.main_first(lambda: _ready(store, manifest, cfg, world, needed, batches)):
-            log.info("feature store %s is complete", store)
+            log.info("feature store %s is complete (%d batches)", store, stored_batches(store))
             return store
         writer = StoreWriter(store, manifest, cfg.features.shard_batches, world.rank, world.size, setup=False)
         failure = None
@@ -82,10 +82,24 @@ def build_store(cfg: DictConfig, world: World | None = None) -> Path:
     return store
 
 
+def check_long_enough(store: Path, cfg: DictConfig) -> None:
+    """Refuse, before training, a store that holds fewer batches than the run takes steps: the run would stop
+    when the store runs out."""
+    held, needed = stored_batches(store), total_steps(cfg.train)
+    if held < needed:
+        what = f"holds {held} batches" if held else "is not complete (a build was stopped)"
+        raise StoreMismatch(
+            f"feature store {store} {what}; the run takes {needed} steps (train.max_steps={cfg.train.max_steps}): "
+            "build it for this run (python -m dflash.features build with the run's overrides extends it) or set "
+            "features.build_missing=true"
+        )
+
+
 def _ready(store: Path, manifest: dict, cfg: DictConfig, world: World, needed: int, batches: int) -> bool:
-    """True when the store is complete; else (on rank 0) the manifest checked or written, torn shards removed
-    and the room checked, before any rank writes."""
-    if is_complete(store):
+    """True when the store is complete with `batches` batches or more; else (on rank 0) the manifest checked or
+    written (a longer build raises its num_batches), torn shards removed and the room checked, before any rank
+    writes."""
+    if stored_batches(store) >= batches:
         return True
     if world.is_main:
         writer = StoreWriter(store, manifest, cfg.features.shard_batches)  # the setup: manifest, *.tmp

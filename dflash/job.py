@@ -17,7 +17,7 @@ from dflash.data.corpus import jsonl_files
 from dflash.data.training_data import TrainingData
 from dflash.distributed import World, resolve_device
 from dflash.evaluation.evaluator import Evaluator
-from dflash.feature_build import build_store
+from dflash.feature_build import build_store, check_long_enough
 from dflash.machine import slow_cpu_dtype
 from dflash.model.build import build_drafter_config, init_drafter, resolve_mask_token_id
 from dflash.model.target import DTYPES, TargetHeads, TargetModel
@@ -106,6 +106,7 @@ def build_job(
         manifest = manifest_for(cfg, files.layer_ids, fingerprint)
         store = store_path(cfg, manifest)
         check_manifest(store, manifest)  # before training: a store of other settings is refused, naming the keys
+        check_long_enough(store, cfg)  # and one shorter than the run (it would end the run early)
 
     drafter_config = build_drafter_config(files.config, cfg.model, files.layer_ids, mask_id)
     drafter = init_drafter(drafter_config, cfg.train.seed, device, DTYPES[cfg.model.dtype])

@@ -35,6 +35,10 @@ from dflash.train.trainer import TargetForward, TrainingDiverged, total_steps
 log = logging.getLogger(__name__)
 
 
+class DataRanOut(RuntimeError):
+    """The pipeline's source ended before the run's last step: the run failed, it did not complete."""
+
+
 def train(
     cfg: DictConfig, run_dir: Path, info: JobInfo, stop: threading.Event | None = None, world: World | None = None
 ) -> TrainResult:
@@ -91,10 +95,11 @@ def _run_info(cfg: DictConfig, run: RunDir, info: JobInfo, job: Job) -> RunInfo:
 
 
 def run_pipeline(cfg: DictConfig, job: Job, stop: threading.Event, on_tick) -> str:
-    """Train until done or stopped; returns `completed` or `interrupted`. The final checkpoint is written on
-    every way out (lose at most the current step), unless a drafter thread may still be changing the weights
-    or, under data parallelism, the run failed other than by divergence (ranks out of step cannot save together)."""
-    pipeline = None
+    """Train until done or stopped; returns `completed` or `interrupted`, or raises DataRanOut when the source
+    ends first. The final checkpoint is written on every way out (lose at most the current step), unless a drafter
+    thread may still be changing the weights or, under data parallelism, the run failed other than by divergence
+    (ranks out of step cannot save together)."""
+    pipeline = outcome = None
     world = job.world
     features = FeatureSource(cfg, world, job.device) if world.target_ranks else None
     try:
@@ -126,7 +131,7 @@ def run_pipeline(cfg: DictConfig, job: Job, stop: threading.Event, on_tick) -> s
         if job.trainer.done():
             log.info("nothing to train: step %d of %d already done", job.trainer.step, job.trainer.total_steps)
         else:
-            pipeline.run()
+            outcome = pipeline.run()
         if features is not None:
             features.finish(world)  # the target rank stops sending and ends the link
         # decided before the final checkpoint: a signal during it does not make a finished run `interrupted`
@@ -146,7 +151,21 @@ def run_pipeline(cfg: DictConfig, job: Job, stop: threading.Event, on_tick) -> s
             job.checkpoints.save_final(job.trainer)  # the last good state: a diverged step changes no weight
         raise
     job.checkpoints.save_final(job.trainer)
+    if not interrupted and not job.trainer.done():  # the source ran out: never `completed` short of the steps
+        raise DataRanOut(_ran_out(job, outcome))
     return "interrupted" if interrupted else "completed"
+
+
+def _ran_out(job: Job, outcome) -> str:
+    where = f"the feature store {job.store}" if job.store is not None else "the training data"
+    if job.world.target_ranks:
+        where = "the target ranks' features"
+    how = f"pipeline stopped: {outcome.stopped_by}, {outcome.reason}" if outcome is not None else "no pipeline ran"
+    return (
+        f"training ended at step {job.trainer.step} of {job.trainer.total_steps}: {where} ran out ({how}); the "
+        "final checkpoint is saved: give the run more data (a feature store: python -m dflash.features build with "
+        "the run's overrides extends it), then resume=RUN_DIR continues"
+    )
 
 
 def _caused_by(error: BaseException, kind: type) -> bool:

@@ -83,9 +83,9 @@ class StoreWriter:
         self.store, self.manifest, self.shard_batches = Path(store), manifest, shard_batches
         self.rank, self.world_size = rank, world_size
         self.store.mkdir(parents=True, exist_ok=True)
-        if (self.store / MANIFEST).exists() or not setup:
-            check_manifest(self.store, manifest)
-        else:
+        found = check_manifest(self.store, manifest) if (self.store / MANIFEST).exists() or not setup else None
+        # a longer build extends the store: the manifest says how many batches it is built to hold
+        if setup and (found is None or found.get("num_batches", 0) < manifest.get("num_batches", 0)):
             write_json(self.store / MANIFEST, manifest)
         if setup:
             for partial in self.store.glob("*.tmp"):  # a shard a killed build was writing
@@ -97,8 +97,12 @@ class StoreWriter:
         return -(-batches // self.shard_batches)
 
     def todo(self, batches: int) -> list[int]:
-        """The shards not yet committed, in order."""
-        return [k for k in range(self.num_shards(batches)) if k not in self.entries]
+        """The shards not yet committed, in order; a shorter build's last shard too, when this build fills it."""
+        want = {
+            k: min((k + 1) * self.shard_batches, batches) - k * self.shard_batches
+            for k in range(self.num_shards(batches))
+        }
+        return [k for k, n in want.items() if k not in self.entries or len(self.entries[k]["batches"]) < n]
 
     def mine(self, batches: int) -> list[int]:
         """This rank's share of `todo`, dealt round-robin (a resumed build's remainder splits evenly too)."""
@@ -153,6 +157,23 @@ class StoreWriter:
 
     def _write_index(self, complete: bool) -> None:
         write_json(self.store / INDEX, {"shards": self._sorted(), "complete": complete})
+
+
+def stored_batches(store: Path) -> int:
+    """The batches a complete store holds in order from the first (0 when its build is not complete): the
+    shards 0, 1, ... up to the first missing one or the first short one (a shorter build's last shard)."""
+    index = read_json(Path(store) / INDEX, default=None)
+    if not isinstance(index, dict) or not index.get("complete"):
+        return 0
+    shards = sorted(index.get("shards", []), key=_number)
+    full, held = max((len(s["batches"]) for s in shards), default=0), 0
+    for k, shard in enumerate(shards):
+        if _number(shard) != k:
+            break
+        held += len(shard["batches"])
+        if len(shard["batches"]) < full:
+            break
+    return held
 
 
 def _number(entry: dict) -> int:
