@@ -116,6 +116,7 @@ def _benchmarks(
             seed=cfg.eval.seed,
             cache_dir=cfg.paths.cache_dir,
             info={"drafter": str(run.drafter), "target": str(cfg.model.target), "step": job.trainer.step},
+            step=job.trainer.step,
         )
     except interrupts.Interrupted:
         return "interrupted", "stopped by signal during the benchmarks (python -m dflash.benchmark RUN_DIR resumes)"

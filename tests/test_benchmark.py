@@ -264,3 +264,40 @@ def test_multi_turn_runs_turn_by_turn_with_the_targets_answers(target_and_drafte
     assert (tmp_path / "benchmarks.md").read_text().startswith("| suite | τ (T=0) |")
     with pytest.raises(FileNotFoundError, match="no suite could be loaded"):
         run_benchmarks(target, drafter, tiny_tokenizer, tmp_path, suites=[f"jsonl:{tmp_path}/absent.jsonl"])
+
+
+def test_a_result_is_of_one_drafter_and_recomputed_when_its_weights_change(
+    target_and_drafter, tiny_tokenizer, tmp_path, monkeypatch
+):
+    """A resumed run trains on: its benchmarks must not keep the old drafter's tau under the new step. A result
+    names its drafter (step, weights sha256) and is reused only for the same weights."""
+    import copy
+
+    import torch
+
+    from dflash.evaluation import benchmark as runner
+
+    target, drafter = target_and_drafter
+    suite = tmp_path / "one.jsonl"
+    suite.write_text(json.dumps({"prompt": "def f(x):"}) + "\n")
+    calls = []
+    real = runner.run_suite
+    monkeypatch.setattr(runner, "run_suite", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+
+    def bench(model, step):
+        out = tmp_path / "run"
+        kw = dict(suites=[f"jsonl:{suite}"], max_new_tokens=3, lookup=False, step=step)
+        return runner.run_benchmarks(target, model, tiny_tokenizer, out, **kw)["results"][f"jsonl:{suite}@T0"]
+
+    first = bench(drafter, 4)
+    assert bench(drafter, 4) == first and calls == [drafter]  # the same weights: kept, not decoded again
+    trained = copy.deepcopy(drafter)
+    with torch.no_grad():
+        next(trained.parameters()).add_(0.01)
+    again = bench(trained, 8)
+    assert calls == [drafter, trained]  # other weights: decoded again
+    assert first["drafter"]["step"] == 4 and again["drafter"]["step"] == 8
+    assert again["drafter"]["weights_sha256"] != first["drafter"]["weights_sha256"]
+    assert again["drafter"] == runner.drafter_identity(copy.deepcopy(trained), 8)  # of the weights, not the object
+    on_disk = json.loads((tmp_path / "run" / "benchmarks.json").read_text())
+    assert on_disk["results"][f"jsonl:{suite}@T0"]["drafter"]["step"] == 8

@@ -13,11 +13,14 @@ per-position acceptance acc_pos_<k>; tok_s and tok_s_target_only (decode, same p
 tau_lookup (prompt lookup, z-lab's mean); lossless (temperature 0: every output equals target-only greedy);
 degenerate (share of the generations that end in a loop of a short pattern, dflash/repetition.py);
 num_prompts and num_generations. `generations` holds each one's prompt token ids, output tokens and acceptance
-lengths, so `replay` can repeat them.
+lengths, so `replay` can repeat them. `drafter` names the drafter a result is of: its training step (when known)
+and the sha256 of its weights; a result is reused only for the same weights (a resumed run's longer training is
+benchmarked again), and results of other weights are dropped.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -41,6 +44,19 @@ TURN_SEED_STRIDE = 100_003  # sampling seeds of turn t: seed + t * stride + conv
 
 def result_key(suite: str, temperature: float) -> str:
     return f"{suite}@T{temperature:g}"
+
+
+def drafter_identity(drafter, step: int | None = None) -> dict:
+    """Which drafter a result is of: its training step (None: not known) and the sha256 of its weights (every
+    tensor's name, dtype, shape and bytes, in name order)."""
+    import torch
+
+    h = hashlib.sha256()
+    for name, t in sorted(drafter.state_dict().items()):
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name} {t.dtype} {tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return {"step": step, "weights_sha256": h.hexdigest()}
 
 
 def _zlab_tau(accept_lengths: Sequence[Sequence[int]]) -> float:
@@ -156,9 +172,11 @@ def run_benchmarks(
     cache_dir: str | Path | None = None,
     lookup: bool = True,
     info: dict | None = None,
+    step: int | None = None,
 ) -> dict[str, Any]:
     """Every suite at every temperature; benchmarks.json (after each) and benchmarks.md in `out_dir`. A result
-    already in benchmarks.json with the same settings is kept, not repeated (resume after an interruption)."""
+    already in benchmarks.json with the same settings and of the same drafter weights is kept, not repeated
+    (resume after an interruption); results of other weights are dropped. `step`: the drafter's training step."""
     from dflash.rundir import package_versions
 
     out = Path(out_dir)
@@ -180,6 +198,14 @@ def run_benchmarks(
     data = read_json(path) or {}
     data.update({"info": info or {}, "versions": {**package_versions(), **_data_versions()}})
     results = data.setdefault("results", {})
+    drafter_id = drafter_identity(drafter, step)
+    stale = [
+        k for k, r in results.items() if (r.get("drafter") or {}).get("weights_sha256") != drafter_id["weights_sha256"]
+    ]
+    if stale:  # never reported as this drafter's: its tau would stand under another drafter's step
+        log.warning("bench: %s in %s are of other drafter weights; dropped", ", ".join(stale), path)
+        for key in stale:
+            del results[key]
     loaded, missing = {}, {}
     for name in suites:  # a suite without data (offline, no local copy) is skipped, the others run
         try:
@@ -199,7 +225,7 @@ def run_benchmarks(
             convs, source = loaded[suite]
             settings = {**common, "suite": suite, "temperature": temperature, "source": source}
             if results.get(key, {}).get("settings") == settings:
-                log.info("bench %s: already in %s with these settings; not repeated", key, path)
+                log.info("bench %s: already in %s with these settings and weights; not repeated", key, path)
                 phase.advance(len(convs))
                 continue
             run = run_suite(
@@ -215,12 +241,13 @@ def run_benchmarks(
                 seed=seed,
                 lookup=lookup,
             )
-            results[key] = {"settings": settings, **run}
+            results[key] = {"settings": settings, "drafter": drafter_id, **run}
             write_json(path, data)  # after every suite: an interrupted benchmark resumes from here
             done = phase.completed + len(convs)
             eta = (time.perf_counter() - t0) / done * (total - done) if done else math.nan
             phase.advance(len(convs), info=f"{key} tau {run['metrics']['tau']:.2f} ETA {eta:.0f}s")
             log.info("bench %s: %s", key, _summary(run["metrics"]))
+    write_json(path, data)  # also when every result was kept: the info, and no dropped result left behind
     table = markdown_table(data)
     write_text_atomic(out / TABLE_FILE, table)
     return data
