@@ -144,6 +144,27 @@ def test_bad_records_are_counted_or_fail_with_file_and_line(tmp_path, tiny_token
         _load(_data_cfg(data), tiny_tokenizer, tiny_target, tmp_path / "c")
 
 
+@pytest.mark.parametrize("layout", ["jsonl", "json array"])
+def test_bytes_that_are_not_utf8_are_one_counted_reason_in_either_layout(tmp_path, tiny_tokenizer, tiny_target, layout):
+    """The same record with a byte that is not UTF-8: refused as not_utf8 (skip: counted) from a JSONL line and
+    from a .json array alike, never trained on as U+FFFD; the records around it are read whole."""
+    records = [json.dumps({"text": f"record {r} " * 4}).encode() for r in range(4)]
+    records[1] = b'{"text": "caf\xe9 au lait"}'
+    if layout == "jsonl":
+        data = tmp_path / "data.jsonl"
+        data.write_bytes(b"\n".join(records) + b"\n")
+    else:
+        data = tmp_path / "data.json"
+        data.write_bytes(b"[\n" + b",\n".join(records) + b"\n]\n")
+    chat = _load(_data_cfg(data, on_bad_record="skip", holdout_fraction=0.0), tiny_tokenizer, tiny_target, tmp_path)
+    assert chat.skipped_by_reason == {"not_utf8": 1}
+    kept = [tiny_tokenizer.decode(ids) for ids in chat.rows(chat.train_rows)[0]]
+    assert len(kept) == 3 and not any("\ufffd" in text or "caf" in text for text in kept)
+    where = f"{data}:2" if layout == "jsonl" else f"{data}:record 2"
+    with pytest.raises(BadRecordError, match=rf"{where}: not UTF-8 \(invalid continuation byte at byte 13 of"):
+        _load(_data_cfg(data), tiny_tokenizer, tiny_target, tmp_path)
+
+
 def test_the_rendered_records_are_cached_and_rerendered_when_the_file_changes(
     tmp_path, tiny_tokenizer, tiny_target, monkeypatch
 ):

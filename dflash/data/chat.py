@@ -54,7 +54,7 @@ def parse_line(raw: bytes, where: str) -> dict:
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise BadRecordError(f"{where}: not UTF-8 ({e.reason} at byte {e.start} of the line)", "not_utf8") from None
+        raise BadRecordError(f"{where}: not UTF-8 ({e.reason} at byte {e.start} of the record)", "not_utf8") from None
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:

@@ -25,7 +25,9 @@ from dflash.disk import check_free
 
 log = logging.getLogger(__name__)
 
-RENDER_VERSION = 2  # bump when rendering changes, so caches made by older code are not reused
+# bump when rendering changes, so caches made by older code are not reused (3: a .json array's bytes that are not
+# UTF-8 make its record not_utf8, as in JSONL, where 2 trained on U+FFFD)
+RENDER_VERSION = 3
 _MIN_RECORDS_PER_PROC = 2_000  # below this, starting worker processes costs more than it saves
 
 

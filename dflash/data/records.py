@@ -4,7 +4,9 @@ whole; a file cut off inside the array (a truncated download, a size cap) yields
 one error row that gives the byte offset of the cut, counted like a bad record (reason `truncated_file`).
 
 Each row is `(where, raw, error)`: `where` is `file:line` (JSONL) or `file:record N` (array, N from 1), `raw`
-the record's bytes (b"" for an error row), `error` "" or "where: why".
+the record's bytes (b"" for an error row), `error` "" or "where: why". An array's bytes that are not UTF-8 are
+kept as they are (decoded with surrogateescape, encoded back), so its record is refused as `not_utf8` by the one
+rule a JSONL line meets (`chat.parse_line`), never trained on as U+FFFD.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 _CHUNK = 1 << 20  # characters decoded per read
 _WS = " \t\r\n"
+_BYTES = "surrogateescape"  # a byte that is not UTF-8 stays that byte (a lone surrogate in the text), both ways
 
 
 def iter_raw_records(path: str | Path) -> Iterator[tuple[str, bytes, str]]:
@@ -42,7 +45,7 @@ class _Reader:
     """Text of a file in chunks with the byte offset of the buffer's first character."""
 
     def __init__(self, fh):
-        self.fh, self.decoder = fh, codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.fh, self.decoder = fh, codecs.getincrementaldecoder("utf-8")(errors=_BYTES)
         self.buf, self.base, self.eof = "", 0, False
         if fh.read(3) == codecs.BOM_UTF8:  # skipped, but its bytes count in the offsets
             self.base = 3
@@ -58,7 +61,7 @@ class _Reader:
         return bool(chunk) or bool(self.buf)
 
     def consume(self, n: int) -> None:
-        self.base += len(self.buf[:n].encode("utf-8"))
+        self.base += len(self.buf[:n].encode("utf-8", _BYTES))
         self.buf = self.buf[n:]
 
     def skip_ws(self) -> bool:
@@ -105,7 +108,7 @@ def _array_records(path: Path) -> Iterator[tuple[str, bytes, str]]:
                         yield f"{path}:record {n + 1}", b"", _invalid(path, n + 1, r.base + e.pos, e.msg)
                     return
             n += 1
-            yield f"{path}:record {n}", r.buf[:end].encode("utf-8"), ""
+            yield f"{path}:record {n}", r.buf[:end].encode("utf-8", _BYTES), ""
             r.consume(end)
 
 
