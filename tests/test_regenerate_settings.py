@@ -4,6 +4,7 @@ rebuilt or other target must not add its answers to a file of another's."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -57,6 +58,32 @@ def test_a_resume_with_another_target_is_refused_naming_both(tmp_path):
     outcome = regenerate_file(inp, out, same, chunk_size=2)  # the same settings resume
     assert (outcome.done_before, outcome.completed, same.asked) == (2, 4, 4)
     assert all(json.loads(line)["messages"][1]["content"] == "chat-v1 answers" for line in out.read_text().splitlines())
+
+
+def test_a_resume_from_another_input_is_refused_naming_both(tmp_path):
+    """The issue's case: a.jsonl into OUT, cut after 2 answers, then b.jsonl into the same OUT must not give
+    A0, A1, B2, B3; the same records moved elsewhere are the same input and resume."""
+    from dflash.tools.regenerate import regenerate_file, settings_path
+
+    a, out = _input(tmp_path), tmp_path / "out.jsonl"
+    b = tmp_path / "b.jsonl"
+    b.write_text(a.read_text().replace('"q', '"other q'))
+    regenerate_file(a, out, _Backend("chat-v1"), chunk_size=2)
+    out.write_text("".join(out.read_text().splitlines(keepends=True)[:2]))  # a kill after 2 of 6 answers
+
+    backend = _Backend("chat-v1")
+    a_is, b_is = (re.escape(str(p.resolve())) + r" \(\d+ bytes, sha256 \w+\)" for p in (a, b))
+    with pytest.raises(ValueError, match=rf"2 answers made with other settings \(input: OUT {a_is} vs now {b_is}\)"):
+        regenerate_file(b, out, backend, chunk_size=2)
+    assert backend.asked == 0 and len(out.read_text().splitlines()) == 2  # nothing asked, nothing written
+    assert json.loads(settings_path(out).read_text())["input"]["path"] == str(a.resolve())
+
+    moved = tmp_path / "moved" / "a.jsonl"
+    moved.parent.mkdir()
+    a.rename(moved)
+    outcome = regenerate_file(moved, out, backend, chunk_size=2)
+    assert (outcome.done_before, outcome.completed) == (2, 4)
+    assert [json.loads(line)["source_index"] for line in out.read_text().splitlines()] == list(range(6))
 
 
 def test_a_new_output_takes_any_settings(tmp_path):

@@ -11,8 +11,9 @@ the chunk (turn k of every record in one batch for `hf`, or concurrent requests 
 cannot be regenerated (one training skips, with the same reason: empty, no user turn, ...; the template
 rejects it; its request fails) is counted and listed in OUT.failures.jsonl with its reason, never fatal.
 OUT.settings.json records who answered (the backend's target files or served model, and the generation
-settings): a resume with another target or other settings is refused, naming each key and both values, so one
-file never mixes two targets' answers.
+settings) and what: IN's path, size and content hash. A resume with another target, other settings or another
+IN (other content: a file moved elsewhere is the same IN) is refused, naming each key and both values, so one
+file never mixes two targets' answers or two inputs' records.
 """
 
 from __future__ import annotations
@@ -53,15 +54,39 @@ def settings_path(out: Path) -> Path:
     return out.with_name(out.name + ".settings.json")
 
 
+def input_identity(path: Path) -> dict:
+    """What IN is: its path, size and content hash (sampled above 256 MiB, as the data fingerprint hashes)."""
+    from dflash.data.fingerprint import file_hash
+
+    path = Path(path)
+    return {"path": str(path.resolve()), "bytes": path.stat().st_size, "sha256": file_hash(path)}
+
+
+def _same(key: str, before, now) -> bool:
+    if key == "input" and isinstance(before, dict) and isinstance(now, dict):  # the content decides, not where
+        return {k: v for k, v in before.items() if k != "path"} == {k: v for k, v in now.items() if k != "path"}
+    return before == now
+
+
+def _shown(key: str, value) -> str:
+    if key == "input" and isinstance(value, dict):
+        return f"{value.get('path')} ({value.get('bytes')} bytes, sha256 {str(value.get('sha256'))[-12:]})"
+    return repr(value)
+
+
 def check_same_settings(out: Path, settings: dict, done: int) -> None:
-    """Refuse to add to OUT's `done` answers with other settings than they were made with; then record these."""
+    """Refuse to add to OUT's `done` answers with other settings (or from another input) than they were made
+    with; then record these."""
     path = settings_path(out)
     if done and path.exists():
         before = json.loads(path.read_text())
+        if "input" not in before:  # written before the input was recorded
+            log.warning("%s: %s records no input (an older version wrote it): IN is not checked", out, path.name)
+            before["input"] = settings.get("input")
         differ = [
-            f"{key}: OUT {before.get(key)!r} vs now {settings.get(key)!r}"
+            f"{key}: OUT {_shown(key, before.get(key))} vs now {_shown(key, settings.get(key))}"
             for key in sorted(set(before) | set(settings))
-            if before.get(key) != settings.get(key)
+            if not _same(key, before.get(key), settings.get(key))
         ]
         if differ:
             raise ValueError(
@@ -172,7 +197,7 @@ def regenerate_file(in_path: Path, out: Path, backend, chunk_size: int) -> Outco
     # about the input's size again for what is left (the answers replace answers of a similar length)
     share = len(todo) / max(len(inputs), 1)
     check_free(out.parent, int(Path(in_path).stat().st_size * share), "the regenerated data")
-    check_same_settings(out, backend.identity(), len(done))
+    check_same_settings(out, {**backend.identity(), "input": input_identity(in_path)}, len(done))
     with open(out, "ab") as sink, display().phase("regenerate", len(todo)) as phase:
         for start in range(0, len(todo), chunk_size):
             chunk = todo[start : start + chunk_size]
