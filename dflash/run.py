@@ -23,6 +23,7 @@ from dflash.distributed import World
 from dflash.finish import TrainResult, finish
 from dflash.job import Job, build_job
 from dflash.job_info import JobInfo
+from dflash.model.gguf_target import provenance as target_provenance
 from dflash.model.plan import run_headline
 from dflash.model.target import DTYPES
 from dflash.rundir import RunDir
@@ -72,6 +73,8 @@ def resume(cfg: DictConfig, job: Job, run: RunDir) -> None:
     world = job.world
     if world.is_main:
         run.add_run_info("data_fingerprint", job.fingerprint, resumed=bool(cfg.resume))
+        if (made := target_provenance(cfg.model.target)) is not None:  # a converted target: what it was made from
+            run.add_run_info("target_provenance", made, resumed=bool(cfg.resume))
         if (plan := run_headline(cfg, world.size)) is not None:  # a GPU run can be held against its prediction
             log.info("plan: %s (python -m dflash.plan)", plan["text"])
             run.add_run_info("plan", plan, resumed=bool(cfg.resume))

