@@ -18,6 +18,7 @@ import os
 import re
 import socket
 import tempfile
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from dflash.config import ConfigError
 
 log = logging.getLogger(__name__)
 
-_FAILURE_KEY = "dflash/first_failure"
+_FAILURE_KEY = "dflash/first_failure"  # + "/<job>": the jobs of a torchrun multirun share one store
 
 
 class RankFailed(RuntimeError):
@@ -194,6 +195,7 @@ class World:
     init_timeout_s: float = 300.0  # parallel.init_timeout_s: how long main_first's other ranks wait for rank 0
     # target_ranks: this process's links, {peer rank: (items group, credits group)} (train/transport.py)
     links: dict[int, Link] = field(default_factory=dict)
+    failure_key: str = _FAILURE_KEY  # rank 0's key of this job: a multirun's later job reads no earlier failure
 
     @property
     def distributed(self) -> bool:
@@ -310,7 +312,7 @@ class World:
             return
         try:
             store = dist.distributed_c10d._get_default_store()
-            store.compare_set(_FAILURE_KEY, "", f"rank {dist.get_rank()}: {message}")
+            store.compare_set(self.failure_key, "", f"rank {dist.get_rank()}: {message}")
         except Exception as e:  # noqa: BLE001 - the store may be gone already; the exit code still tells
             log.warning("could not publish the failure of rank %d: %s", self.rank, e)
 
@@ -320,8 +322,8 @@ class World:
             return None
         try:
             store = dist.distributed_c10d._get_default_store()
-            if store.check([_FAILURE_KEY]):
-                value = store.get(_FAILURE_KEY).decode()
+            if store.check([self.failure_key]):
+                value = store.get(self.failure_key).decode()
                 return value or None
         except Exception:  # noqa: BLE001
             return None
@@ -364,8 +366,10 @@ def init_world(parallel_cfg, device_name: str = "auto") -> World:
         device = torch.device("cuda", local_rank)
     from torch.distributed.device_mesh import init_device_mesh
 
-    hosts: list = [None] * size
-    dist.all_gather_object(hosts, socket.gethostname())
+    # with the hosts, rank 0's key for this job's failure record: every job of a multirun starts with a clean one
+    gathered: list = [None] * size
+    dist.all_gather_object(gathered, (socket.gethostname(), f"{_FAILURE_KEY}/{uuid.uuid4().hex}"))
+    hosts, failure_key = [h for h, _ in gathered], gathered[0][1]
     k = getattr(parallel_cfg, "target_ranks", 0) or 0
     if k:
         if size - k < 1:
@@ -377,11 +381,13 @@ def init_world(parallel_cfg, device_name: str = "auto") -> World:
         links = open_links(drafters, k, rank, device if joined == "nccl" else torch.device("cpu"), link_timeout)
         return World(
             parallel_cfg.name, rank, local_rank, drafters, device, joined, hosts, None, role, k, group,
-            parallel_cfg.init_timeout_s, links,
+            parallel_cfg.init_timeout_s, links, failure_key,
         )  # fmt: skip
     mesh = init_device_mesh(device.type, (size,), mesh_dim_names=("dp",))
-    timeout = parallel_cfg.init_timeout_s
-    return World(parallel_cfg.name, rank, local_rank, size, device, joined, hosts, mesh, init_timeout_s=timeout)
+    return World(
+        parallel_cfg.name, rank, local_rank, size, device, joined, hosts, mesh,
+        init_timeout_s=parallel_cfg.init_timeout_s, failure_key=failure_key,
+    )  # fmt: skip
 
 
 def shutdown() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import REPO, launch
 from safetensors.torch import load_file
 
@@ -124,6 +125,40 @@ def test_launch_settings_come_from_the_composed_config():
     )
     assert launch_settings(["launch.py", "parallel=ddp", "parallel.init_timeout_s=5,9"], conf) == ("auto", 300.0)
     assert launch_settings(["launch.py", "parallel=ddp", "parallel.no_such_key=1"], conf) == ("auto", 300.0)
+
+
+def _two_jobs(rank: int, init: str, out: dict) -> None:
+    """Two jobs of one multirun in a process of a world of 2 (the group joined once, init_world per job): rank 1
+    fails in the first job; in the second every rank reads the failure record before anyone fails."""
+    from omegaconf import OmegaConf
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    cfg = OmegaConf.create({"name": "ddp", "backend": "gloo", "init_timeout_s": 30, "timeout_s": 30, "target_ranks": 0})
+    for job in (0, 1):
+        world = init_world(cfg, "cpu")
+        if job == 0 and rank == 1:
+            world.report_failure("RuntimeError: the first job's fault")
+        world.barrier()
+        out[f"job{job}/rank{rank}"] = world.first_failure()
+        world.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned processes
+def test_each_job_of_a_multirun_starts_with_a_clean_failure_record(tmp_path):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Manager().dict()
+    procs = [ctx.Process(target=_two_jobs, args=(r, f"file://{tmp_path}/store", out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert not p.is_alive(), "a rank hung"
+    assert [p.exitcode for p in procs] == [0, 0], dict(out)
+    first = "rank 1: RuntimeError: the first job's fault"
+    assert dict(out) == {"job0/rank0": first, "job0/rank1": first, "job1/rank0": None, "job1/rank1": None}
 
 
 # ----------------------------------------------------------------------------------------- torchrun
