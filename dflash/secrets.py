@@ -1,4 +1,5 @@
-"""Secrets never reach a run file, a log line or W&B: values of secret-looking keys are redacted, and the
+"""Secrets never reach a run file, a log line or W&B: values of secret-looking keys are redacted, so are the
+credentials of a URL in any string (`postgresql://alice:pw@host/db` -> `postgresql://<redacted>@host/db`), and the
 values of secret environment variables (WANDB_API_KEY, HF_TOKEN, ...) are scrubbed from text.
 
 A secret given on the command line (`+logging.wandb.settings.api_key=...`) also reaches the files Hydra writes
@@ -24,20 +25,35 @@ from dflash.jsonio import json_safe, write_text_atomic
 
 log = logging.getLogger(__name__)
 
-# keys whose values are secrets wherever they appear (config, argv, overrides)
-# (not "token" alone: max_new_tokens and mask_token_id are config, not secrets)
+# keys whose values are secrets wherever they appear (config, argv, overrides, environment variables)
+# (not "token" or "key" after any word: max_new_tokens, mask_token_id and model.mask_token are config, not secrets;
+# a whole key named token, key or auth is: `logging.wandb.key`)
 # (a key may carry Hydra's +, ++ or ~ prefix: `+hf_token=...`)
 _SECRET_KEY = re.compile(
-    r"(api[_-]?key|secret|password|passwd|credential|"
-    r"(^[+~]*|[_.-])(hf|hf_hub|hub|huggingface|hugging_face_hub|auth|access|bearer|api|wandb|github|gh|refresh|"
-    r"session)[_-]?token$)",
+    r"(api[_-]?key|secret|password|passwd|passphrase|credential|private[_-]?key|"
+    r"(^[+~]*|[_.-])(hf|hf_hub|hub|huggingface|hugging_face_hub|auth|access|bearer|api|wandb|github|gh|gitlab|refresh|"
+    r"session|openai|anthropic|slack|db|database)[_-]?(token|key|auth)$|"
+    r"(^[+~]*|[_.-])(authorization|auth)$|(^[+~]*|\.)(token|key)$)",
     re.IGNORECASE,
 )
+# a URL's user and password (`scheme://user:pw@host`, `https://TOKEN@host`): up to the authority's last @
+_URL_CREDENTIALS = re.compile(r"\b([a-z][a-z0-9+.-]*://)([^\s/?#@]+(?:@[^\s/?#@]+)*)@", re.IGNORECASE)
 REDACTED = "<redacted>"
 
 
+def redact_url_credentials(text: str) -> str:
+    """`text` with every URL's credentials replaced: `postgresql://<redacted>@host/db`."""
+    return _URL_CREDENTIALS.sub(rf"\1{REDACTED}@", text)
+
+
+def url_credentials(text: str) -> list[str]:
+    """The credentials (user:password) of the URLs in `text`."""
+    return [m.group(2) for m in _URL_CREDENTIALS.finditer(text)]
+
+
 def redact(obj: Any) -> Any:
-    """Replace the value of any key that looks like a secret, and secret-looking `key=value` strings."""
+    """Replace the value of any key that looks like a secret, secret-looking `key=value` strings and the
+    credentials of a URL in any string."""
     if isinstance(obj, dict):
         return {
             k: (REDACTED if _SECRET_KEY.search(str(k)) and v not in (None, "") else redact(v)) for k, v in obj.items()
@@ -48,6 +64,8 @@ def redact(obj: Any) -> Any:
         key, _, _ = obj.partition("=")
         if _SECRET_KEY.search(key):
             return f"{key}={REDACTED}"
+    if isinstance(obj, str):
+        return redact_url_credentials(obj)
     return obj
 
 
@@ -59,10 +77,17 @@ def _secret_env_values() -> set[str]:
 
 
 def scrub_text(text: str) -> str:
-    """Remove the values of secret environment variables (WANDB_API_KEY, HF_TOKEN, ...) from text."""
+    """Remove the values of secret environment variables (WANDB_API_KEY, HF_TOKEN, ...) and URLs' credentials
+    from text."""
     for value in _secret_env_values():
         text = text.replace(value, REDACTED)
-    return text
+    return redact_url_credentials(text)
+
+
+def scrub(obj: Any) -> Any:
+    """`redact(obj)`, and no string in it holds a URL's credentials or a secret environment variable's value:
+    what a run's recorded config gets (config_resolved.yaml, W&B's config)."""
+    return _scrub(obj, scrub_text)
 
 
 def scrub_json(info: dict) -> dict:
@@ -74,13 +99,16 @@ def scrub_json(info: dict) -> dict:
 
 
 def secret_arguments(args: Iterable[str]) -> dict[str, str]:
-    """{argument: value} of each `key=value` argument whose key looks like a secret and whose value is given
-    literally (`key='${oc.env:NAME}'` is the way to pass one: not a secret itself)."""
+    """{argument: secret} of each `key=value` argument whose key looks like a secret and whose value is given
+    literally (`key='${oc.env:NAME}'` is the way to pass one: not a secret itself): the value; and of each whose
+    value holds a URL with credentials (`hydra.sweeper.storage=postgresql://alice:pw@host/db`): those."""
     found = {}
     for arg in args:
         key, sep, value = str(arg).partition("=")
         if sep and value and _SECRET_KEY.search(key) and not re.fullmatch(r"\$\{[^}]*\}", _unquote(value)):
             found[str(arg)] = value
+        elif sep and (credentials := url_credentials(value)):
+            found[str(arg)] = credentials[0]
     return found
 
 

@@ -479,3 +479,21 @@ def test_wandb_resumed_run_skips_steps_it_already_has(tmp_path, monkeypatch):
     cb.on_run_end("completed", {})
     assert [x["step"] for x in run.logged] == [8, 9, 9]
     assert run.summary["eval/tau_best"] == 3.5 and run.summary["eval/tau"] == 3.0
+
+
+def test_the_wandb_config_is_scrubbed_as_config_resolved_is(tmp_path, monkeypatch):
+    """Secret keys, a URL's credentials and a secret environment variable's value in any config string: W&B's
+    config holds none of them (config_resolved.yaml does not either)."""
+    monkeypatch.setenv("HF_TOKEN", "hf_envsecret_0123456789")
+    config = {
+        "data": {"path": "https://alice:url-secret-0123@host/data.jsonl"},
+        "eval": {"prompts_file": "/data/hf_envsecret_0123456789/prompts.jsonl"},
+        "x": {"private_key": "pk-0123456789", "wandb_key": "wk-0123456789"},
+        "train": {"seed": 3},
+    }
+    info = RunInfo(run_dir=tmp_path, config=config, max_steps=10, job_name="j")
+    recorded = wandb_init_kwargs(WandbConfig(mode="offline"), info, tmp_path, environ={})["config"]
+    text = json.dumps(recorded)
+    for secret in ("url-secret-0123", "hf_envsecret_0123456789", "pk-0123456789", "wk-0123456789"):
+        assert secret not in text
+    assert recorded["data"]["path"] == "https://<redacted>@host/data.jsonl" and recorded["train"]["seed"] == 3

@@ -275,3 +275,14 @@ def test_other_sweepers_and_searches_without_a_storage_are_left_alone(tmp_path):
     cfg.hydra.sweeper.storage = None  # an in-memory study: nothing to continue
     SweepSummaryCallback().on_multirun_start(cfg)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_storage_urls_password_is_never_printed(tmp_path):
+    """The storage's URL in a refusal (here the database's own error, which quotes it): without its password."""
+    cfg = _config(tmp_path)
+    cfg.hydra.mode = "MULTIRUN"
+    cfg.hydra.sweeper.storage = f"sqlite://alice:s3cret-pw@/{tmp_path}/optuna.db"  # credentials: invalid for sqlite
+    with pytest.raises(SystemExit) as refused:
+        SweepSummaryCallback().on_multirun_start(config=cfg)
+    message = str(refused.value)
+    assert "s3cret-pw" not in message and "sqlite://<redacted>@" in message

@@ -161,3 +161,44 @@ def test_swept_keys_are_read_beside_a_redacted_secret(tmp_path, monkeypatch):
         assert _swept_keys() == {"loss.kl_temperature"}
     finally:
         HydraConfig.instance().cfg = before
+
+
+URL_SECRET = "s3cret-pw-0123"
+URL_ARG = f"eval.prompts_file=https://alice:{URL_SECRET}@host.example/prompts.jsonl"
+
+
+def test_url_credentials_are_redacted_in_any_string_value():
+    storage = f"hydra.sweeper.storage=postgresql://alice:{URL_SECRET}@db.example:5432/optuna"
+    assert redact([storage, URL_ARG, "data.path=sqlite:///outputs/optuna.db"]) == [
+        f"hydra.sweeper.storage=postgresql://{REDACTED}@db.example:5432/optuna",
+        f"eval.prompts_file=https://{REDACTED}@host.example/prompts.jsonl",
+        "data.path=sqlite:///outputs/optuna.db",  # no credentials: as it was
+    ]
+    assert redact({"data": {"path": f"https://user:{URL_SECRET}@host/x.jsonl"}}) == {
+        "data": {"path": f"https://{REDACTED}@host/x.jsonl"}
+    }
+    assert scrub_text(f"could not connect to postgresql://alice:{URL_SECRET}@db/optuna") == (
+        f"could not connect to postgresql://{REDACTED}@db/optuna"
+    )
+    assert secret_arguments([URL_ARG, "train.seed=1"]) == {URL_ARG: f"alice:{URL_SECRET}"}
+
+
+def test_secret_keys_beyond_tokens_and_api_keys():
+    keys = ["private_key", "ssh.private_key", "wandb_key", "hf_auth", "logging.wandb.key", "+x.token", "db_password"]
+    assert redact({k: "v" for k in keys}) == {k: REDACTED for k in keys}
+    assert redact([f"{k}=v" for k in keys]) == [f"{k}={REDACTED}" for k in keys]
+    keep = {"model.mask_token": "<|MASK|>", "mask_token_id": 5, "sort_key": "tau", "max_new_tokens": 8}
+    assert redact(keep) == keep
+
+
+def test_url_credentials_on_the_command_line_leave_no_trace_in_hydras_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["launch.py", "experiment=smoke", URL_ARG])
+    cfg, hydra_dir = _hydra_job(tmp_path, ["experiment=smoke", URL_ARG])
+    assert URL_SECRET in (hydra_dir / "overrides.yaml").read_text()  # as Hydra wrote it
+    CommandLineSecrets().on_job_start(config=cfg, task_function=None)
+    assert URL_SECRET not in " ".join(sys.argv)
+    for f in hydra_dir.iterdir():
+        assert URL_SECRET not in f.read_text(), f
+    assert (
+        OmegaConf.load(hydra_dir / "config.yaml").eval.prompts_file == f"https://{REDACTED}@host.example/prompts.jsonl"
+    )

@@ -51,7 +51,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from dflash.jsonio import read_json, write_json
 from dflash.rundir import CONFIG_FILE, STATUS_FILE, Run, find_runs, flatten
-from dflash.secrets import scrub_arguments
+from dflash.secrets import redact_url_credentials, scrub_arguments, scrub_text
 from dflash.tools.compare import DEFAULT_METRICS, compare_table, varying_keys
 from dflash.tools.compare_cli import render
 
@@ -203,8 +203,9 @@ class SweepSummaryCallback(Callback):
             self._optuna_lock = prepare_optuna_search(config)  # held until the process exits
         except OptunaSearchError as e:
             raise SystemExit(f"error: {e}") from None
-        except Exception as e:  # noqa: BLE001
-            raise SystemExit(f"error: preparing the Optuna search failed: {type(e).__name__}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - the storage's error may quote its URL: its credentials go
+            failed = f"error: preparing the Optuna search failed: {type(e).__name__}: {e}"
+            raise SystemExit(scrub_text(failed)) from None
 
     def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
         if not _is_multirun(config):
@@ -364,12 +365,13 @@ def _continue_study(config: DictConfig, node: DictConfig, sweep_dir: Path) -> No
         load_if_exists=True,
     )
     definition = search_definition(config)
+    storage = redact_url_credentials(str(node.storage))  # said in messages: postgresql://user:pw@... never the pw
     recorded = study.user_attrs.get(OPTUNA_SEARCH_ATTR)
     if not isinstance(recorded, dict):  # a new study (or one another tool created): this is its search
         study.set_user_attr(OPTUNA_SEARCH_ATTR, definition)
     elif changes := search_changes(recorded, definition):
         raise OptunaSearchError(
-            f"study {name!r} in {node.storage} was run as another search ({'; '.join(changes)}). Relaunch it "
+            f"study {name!r} in {storage} was run as another search ({'; '.join(changes)}). Relaunch it "
             "as it was run to continue it, or give the new search its own hydra.sweep.dir"
         )
     trials = study.get_trials(deepcopy=False)
@@ -401,7 +403,7 @@ def _continue_study(config: DictConfig, node: DictConfig, sweep_dir: Path) -> No
             "Optuna study %r (%s): %d trials there, %d finished%s; running %d more for n_trials=%d, "
             "numbered from %d (run dirs too)%s",
             name,
-            node.storage,
+            storage,
             len(trials),
             finished,
             f", {len(stale)} left running by a killed search marked failed ({stale})" if stale else "",

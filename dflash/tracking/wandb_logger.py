@@ -20,7 +20,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from dflash.jsonio import to_python
-from dflash.secrets import redact
+from dflash.secrets import redact, scrub
 from dflash.tracking.base import Callback, RunInfo
 from dflash.tracking.wandb_media import MEDIA, bench_rows, build_media
 
@@ -85,6 +85,7 @@ def wandb_init_kwargs(
         from omegaconf import OmegaConf
 
         config = OmegaConf.to_container(config, resolve=True)
+    config = scrub(config)  # as config_resolved.yaml: secret keys, URLs' credentials, secret environment values
     kwargs: dict[str, Any] = {
         "project": wandb_cfg.project,
         "entity": wandb_cfg.entity,
