@@ -245,13 +245,29 @@ class StatusFile:
             if len(data) > room:  # the traceback goes first, then the error is cut to fit
                 record.pop("traceback", None)
                 data = json.dumps(json_safe(record)).encode()
-            if len(data) > room:
-                record["error"] = str(record.get("error") or "")[: max(0, room - len(data) - 16)] + "..."
+            if len(data) > room:  # then the error's middle: its head says what failed, its tail how it ended
+                rest = len(json.dumps(json_safe({**record, "error": ""})).encode())
+                record["error"] = cut_middle(str(record.get("error") or ""), room - rest)
                 data = json.dumps(json_safe(record)).encode()[:room]
             f.seek(0)
             f.write(data + b" " * (room - len(data)))
             f.flush()
             os.fsync(f.fileno())
+
+
+def cut_middle(text: str, room: int) -> str:
+    """`text` in at most `room` bytes as a JSON string's content: its head and tail kept, the middle cut (marked
+    with how much), or "" when not even the mark fits."""
+    keep = len(text)
+    while True:
+        cut = text if keep >= len(text) else f"{text[: keep // 2]} [... {len(text) - keep} characters cut ...] "
+        cut += text[len(text) - (keep - keep // 2) :] if keep < len(text) else ""
+        over = len(json.dumps(cut).encode()) - 2 - room
+        if over <= 0:
+            return cut
+        if keep <= 0:
+            return ""
+        keep = max(0, min(keep, len(text)) - over)
 
 
 def process_died(status: dict) -> bool:

@@ -207,3 +207,57 @@ def test_regeneration_and_the_datasets_cache_check_the_disk_first(tmp_path, monk
     assert not (tmp_path / "out" / "regen.jsonl").exists()
     with pytest.raises(DiskFull, match="not enough disk for the datasets cache of data.path"):
         _load(_data_cfg(chats), tiny_tokenizer, tiny_target, tmp_path / "cache")
+
+
+def test_a_long_error_keeps_its_head_and_tail_on_a_full_disk(tmp_path, monkeypatch):
+    """The end written in place, with an error longer than the reserve: status.json keeps what failed (the head)
+    and how it ended (the tail), the cut marked, in the reserve's own bytes (it was '...' alone)."""
+    from dflash import rundir
+
+    status = StatusFile(tmp_path)
+    status.running()
+    reserve = (tmp_path / "status.json").stat().st_size
+
+    def no_room(*args, **kwargs):  # the atomic write needs new blocks: none left
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(rundir, "write_json", no_room)
+    middle = "; ".join(f"key{i}: store {i} vs run {-i}" for i in range(2000))
+    error = f"StoreMismatch: built for other settings: {middle} (the end \u2713)"
+    status.finish("failed", error=error, traceback="x" * 50_000)
+    assert (tmp_path / "status.json").stat().st_size == reserve
+    record = json.loads((tmp_path / "status.json").read_text())
+    assert record["status"] == "failed" and "traceback" not in record and "status_written_in_place" in record
+    head, tail = record["error"].split(" [... ")
+    assert error.startswith(head) and head.startswith("StoreMismatch: built for other settings: key0: store 0")
+    cut, tail = tail.split(" characters cut ...] ")
+    assert error.endswith(tail) and tail.endswith("(the end \u2713)") and len(head) + int(cut) + len(tail) == len(error)
+    assert len(record["error"]) > reserve // 2  # the room is used, not given up
+
+
+def test_a_full_disk_is_one_line_naming_errno_28_once(tmp_path, monkeypatch, caplog):
+    """A checkpoint without room is refused as `[Errno 28] not enough disk ...` (it read `[Errno 28] [Errno 28]`),
+    and the async pipeline logs no traceback for it: the run's one `error:` line says it (status.json keeps the
+    traceback)."""
+    import logging
+    from types import SimpleNamespace
+
+    from dflash import disk
+    from dflash.train.pipeline import Pipeline, StageError
+
+    monkeypatch.setattr(disk, "free_bytes", lambda path: MARGIN_BYTES)  # room for nothing
+    cfg = type("C", (), {"enabled": True, "every_steps": 3, "keep_last": 2, "on_disk_full": "stop"})()
+    manager = CheckpointManager(cfg, tmp_path, make_drafter(), "target")
+    with pytest.raises(DiskFull) as full:
+        manager.maybe_save(_Trainer(3))
+    assert str(full.value).startswith("[Errno 28] not enough disk for checkpoint step_3 in ")
+    assert str(full.value).count("Errno") == 1
+
+    def drafter_fn(item) -> bool:  # the periodic checkpoint of a step, in the drafter's thread
+        manager.maybe_save(_Trainer(3))
+        return True
+
+    batches = [SimpleNamespace(num_tokens=1) for _ in range(4)]
+    with caplog.at_level(logging.INFO), pytest.raises(StageError, match=r"DiskFull: \[Errno 28\] not enough disk"):
+        Pipeline(batches, lambda batch: batch, drafter_fn, mode="async", monitor_interval_s=60).run()
+    assert "Traceback" not in caplog.text and not [r for r in caplog.records if r.levelno >= logging.ERROR]

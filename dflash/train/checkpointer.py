@@ -89,7 +89,7 @@ class CheckpointManager:
             try:
                 check_free(root, needed, f"checkpoint step_{step}")
             except DiskFull as e:
-                verdict = str(e)
+                verdict = e.strerror  # the message alone: the DiskFull raised below adds the errno once
         verdict = self.world.broadcast_object(verdict)
         if verdict is None:
             return True

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from dflash.config import PIPELINE_MODES
+from dflash.disk import disk_error
 from dflash.train.channel import END, POLL_S, BoundedChannel, ChannelClosed, InOrder, item_nbytes
 from dflash.train.monitor import MONITOR_KEYS, Monitor, StageStats, StageWindow
 
@@ -215,7 +216,9 @@ class Pipeline:
             first = self._error is None
             if first:
                 self._error = (stage, exc, tb)
-        if first:
+        if first and disk_error(exc) is not None:  # a full disk: the run's one error line says it (status.json: tb)
+            log.debug("%s stage failed on a full disk; stopping the pipeline\n%s", stage, tb)
+        elif first:
             log.error("%s stage failed; stopping the pipeline\n%s", stage, tb)
         else:
             log.warning(
