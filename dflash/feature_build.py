@@ -87,7 +87,7 @@ def check_long_enough(store: Path, cfg: DictConfig) -> None:
     when the store runs out."""
     held, needed = stored_batches(store), total_steps(cfg.train)
     if held < needed:
-        what = f"holds {held} batches" if held else "is not complete (a build was stopped)"
+        what = f"holds {held} batches" if held else "is not complete (a build is running or was stopped)"
         raise StoreMismatch(
             f"feature store {store} {what}; the run takes {needed} steps (train.max_steps={cfg.train.max_steps}): "
             "build it for this run (python -m dflash.features build with the run's overrides extends it) or set "
