@@ -40,6 +40,27 @@ PIPELINE_MODES = ("async", "sync")
 PARALLEL_NAMES = ("single", "ddp", "fsdp")
 BACKENDS = ("auto", "nccl", "gloo")
 
+# Keys that only some options of their group read (the others ignore them), read off the code: model/losses.py
+# (_kl_coefficients, _uses_kl), model/loss_weights.py (position_weights), train/schedules.py (lr_at),
+# train/pipeline.py and run.py (sync: one thread, no queues, one target worker). An override of one that the chosen
+# option does not read warns, naming the option that would; a sweep over one that no job reads is refused
+# (dflash/override_effects.py). A group's option is the value of its key in OPTION_KEYS.
+OPTION_KEYS = {"loss": "loss.name", "schedule": "schedule.name", "pipeline": "pipeline.mode"}
+READ_ONLY_BY = {
+    "loss.decay_gamma": ("ce_decay", "kl", "kl_streak"),
+    "loss.kl_weight": ("kl", "kl_streak", "dpace"),
+    "loss.kl_temperature": ("kl", "kl_streak", "dpace"),
+    "loss.streak_alpha": ("kl_streak",),
+    "loss.dpace_alpha": ("dpace",),
+    "schedule.min_lr_ratio": ("cosine", "wsd"),
+    "schedule.decay_ratio": ("wsd",),
+    "pipeline.queue_size": ("async",),
+    "pipeline.queue_bytes": ("async",),
+    "pipeline.target_workers": ("async",),
+}
+# ... and read only while another key is not at a value: the temperature scales the KL term, which kl_weight 0 drops
+UNREAD_WHILE = {"loss.kl_temperature": ("loss.kl_weight", 0.0)}
+
 # z-lab's per-block-size default for the position decay (paper App. A.1); other sizes interpolate.
 DEFAULT_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 

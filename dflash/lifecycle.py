@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from dflash import interrupts
 from dflash.distributed import RankFailed, init_world, launch_identity
 from dflash.job_info import JobInfo, hydra_job_info
+from dflash.override_effects import warn_unused_overrides
 from dflash.resume import resume_config
 from dflash.run import train
 from dflash.rundir import RunDir, StatusFile
@@ -42,6 +43,8 @@ def main(cfg: DictConfig, info: JobInfo | None = None) -> float | None:
     me = launch_identity(cfg.parallel)
     is_main = me.is_main
     replaced_handlers = install_logging()  # on a terminal, logs scroll above the live progress rows
+    if is_main:  # loss.streak_alpha=0.5 under loss=dpace: said once, naming the option that reads it
+        warn_unused_overrides(cfg, info.overrides)
     if not is_main:  # its file is launch.rank<r>.log (rank_hydra_overrides); say whose it is
         log.warning("rank %d of %d (%s): this rank's warnings and errors", me.rank, me.size, me.role)
     status = StatusFile(run.path) if is_main else None

@@ -36,6 +36,7 @@ LAYERS = {
     "dflash.machine": 0,
     "dflash.disk": 0,
     "dflash.repetition": 0,
+    "dflash.override_effects": 0,
     "dflash.cli_flags": 0,
     "dflash.model": 1,
     "dflash.data": 2,
