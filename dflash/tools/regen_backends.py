@@ -41,10 +41,22 @@ class GenerationSettings:
         return kwargs
 
 
+def generation_dtype(dtype: str, device_type: str, cpu_flags: set[str] | None = None) -> str:
+    """auto: bfloat16, but float32 on a CPU without fast bfloat16 kernels (there bf16 is many times slower);
+    a 16-bit dtype asked for on such a CPU is used as asked, with a warning."""
+    from dflash.machine import slow_cpu_dtype
+
+    if dtype == "auto":
+        return "float32" if device_type == "cpu" and slow_cpu_dtype("bfloat16", cpu_flags) else "bfloat16"
+    if device_type == "cpu" and (why := slow_cpu_dtype(dtype, cpu_flags)):
+        log.warning("--dtype %s: %s", dtype, why.split(": ", 1)[-1])
+    return dtype
+
+
 class HFBackend:
     """Batched `generate` with the target on any device; conversations rendered by its chat template."""
 
-    def __init__(self, target: str, settings: GenerationSettings, device: str = "auto", dtype: str = "bfloat16"):
+    def __init__(self, target: str, settings: GenerationSettings, device: str = "auto", dtype: str = "auto"):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -54,7 +66,7 @@ class HFBackend:
         self.settings = settings
         self.tokenizer = AutoTokenizer.from_pretrained(target)
         dev = resolve_device(device)
-        dtype = torch.float32 if dev.type == "cpu" else getattr(torch, dtype)
+        dtype = getattr(torch, generation_dtype(dtype, dev.type))
         self.model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(dev).eval()
         eot = end_of_turn_marker(self.tokenizer, **settings.chat_template_kwargs())
         eot_id = self.tokenizer.convert_tokens_to_ids(eot) if eot else None

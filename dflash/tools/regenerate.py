@@ -278,7 +278,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--backend", choices=("hf", "openai"), default="hf")
     p.add_argument("--target", help="hf: the target model (directory or hub id)")
     p.add_argument("--device", default="auto", help="hf: cuda, cuda:1, cpu or auto")
-    p.add_argument("--dtype", default="bfloat16", help="hf on GPU: bfloat16 or float16 (CPU uses float32)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="hf: float32, bfloat16 or float16; auto = bfloat16, float32 on a CPU without fast bf16 kernels",
+    )
     p.add_argument("--base-url", help="openai: the server's /v1 URL")
     p.add_argument("--model", help="openai: the served model's name (default: the first one the server lists)")
     p.add_argument("--concurrency", type=int, default=16, help="openai: requests in flight")
