@@ -75,7 +75,7 @@ def resume(cfg: DictConfig, job: Job, run: RunDir) -> None:
         run.add_run_info("data_fingerprint", job.fingerprint, resumed=bool(cfg.resume))
         if (made := target_provenance(cfg.model.target)) is not None:  # a converted target: what it was made from
             run.add_run_info("target_provenance", made, resumed=bool(cfg.resume))
-        if (plan := run_headline(cfg, world.size)) is not None:  # a GPU run can be held against its prediction
+        if (plan := run_headline(cfg, world.size + world.target_ranks)) is not None:  # held against a GPU run
             log.info("plan: %s (python -m dflash.plan)", plan["text"])
             run.add_run_info("plan", plan, resumed=bool(cfg.resume))
     if cfg.resume and job.checkpoints.resume(job.trainer) is not None and world.is_main:

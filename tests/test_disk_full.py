@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -26,15 +27,40 @@ from dflash.train.checkpointer import CheckpointManager
 
 @contextlib.contextmanager
 def tmpfs(path: Path, size_bytes: int):
-    """A tmpfs of `size_bytes` mounted at `path` (needs root, as tests run here and in CI)."""
+    """A tmpfs of `size_bytes` mounted at `path` (needs root, as tests run here and in CI). Where none can be
+    mounted the test fails: a skip would pass a real disk-full case unnoticed; DFLASH_SKIP_TMPFS=1 asks for one."""
     path.mkdir(parents=True, exist_ok=True)
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)], capture_output=True)
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        why = f"cannot mount a tmpfs here ({done.stderr.decode().strip()})"
+        if os.environ.get("DFLASH_SKIP_TMPFS") == "1":
+            pytest.skip(f"{why}; DFLASH_SKIP_TMPFS=1")
+        pytest.fail(f"{why}: run the disk-full tests as root, or set DFLASH_SKIP_TMPFS=1 to skip them")
     try:
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_without_a_tmpfs_the_real_cases_fail_unless_a_skip_is_asked_for(tmp_path, monkeypatch):
+    """The tmpfs cases are the only ones that fill a real file system: a machine that cannot mount one must not
+    pass them as skipped without a word."""
+    refused = subprocess.CompletedProcess([], 32, b"", b"mount: only root can do that")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: refused)
+
+    def outcome() -> BaseException | None:  # pytest's skip and fail are BaseExceptions: caught to be compared
+        try:
+            with tmpfs(tmp_path / "fs", 1 << 20):
+                return None
+        except BaseException as e:  # noqa: BLE001
+            return e
+
+    monkeypatch.delenv("DFLASH_SKIP_TMPFS", raising=False)
+    failed = outcome()
+    assert isinstance(failed, pytest.fail.Exception) and "DFLASH_SKIP_TMPFS=1" in str(failed), repr(failed)
+    monkeypatch.setenv("DFLASH_SKIP_TMPFS", "1")
+    skipped = outcome()
+    assert isinstance(skipped, pytest.skip.Exception) and "only root" in str(skipped), repr(skipped)
 
 
 def fill(path: Path) -> None:

@@ -3,8 +3,12 @@ shape alone (no weights are loaded); the largest batch x seq_len that fits a dev
 token rates that balance the pipeline, from FLOPs. `python -m dflash.plan` prints it; a run logs its headline
 at start and records it in run.json, so a GPU run can be compared with its prediction.
 
-The model of memory, per rank (bytes of `model.dtype` unless said):
-  target weights        every parameter of the target (frozen, loaded whole by each rank)
+The model of memory, per rank and by what the rank loads (bytes of `model.dtype` unless said). Ranks differ
+(`ROLES`): rank 0, the other drafter ranks, and parallel.target_ranks' target ranks. A rank that runs no
+target forward (features=store; a drafter rank under parallel.target_ranks) holds only the target's embedding
+and LM head, unless it is rank 0 and runs the evals (eval.num_prompts or eval.suites), which need the whole
+target; a target rank holds the target and the link's items, no drafter.
+  target weights        the target's parameters the rank loads (the whole target, or its embedding and LM head)
   drafter parameters    the drafter's parameters (fsdp: a 1/N shard)
   gradients             one per parameter (fsdp: a shard; ddp: twice, its buckets hold a copy)
   optimizer state       AdamW's two moments in the parameters' dtype (fsdp: a shard)
@@ -19,7 +23,8 @@ The model of memory, per rank (bytes of `model.dtype` unless said):
   chunked loss          float32 logits, probabilities and their gradient over `loss.chunk_size` positions
   queues                feature items alive at once (sync: 1; async: each queue at its bound, plus one per stage)
   feature transport     parallel.target_ranks: items in flight on the link (credits), else 0
-  runtime               the process itself: Python, torch, transformers, the data (RUNTIME_BYTES)
+  runtime               the process itself: Python, torch, transformers, the data (RUNTIME_BYTES, a constant
+                        fitted on one machine: RUNTIME_FIT says which)
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # MiB beyond their predicted tensors (the tiny target's widths, 40 stdlib files); on a GPU it stands for the
 # CUDA context. Host-side data is not in it: data=stdlib's whole corpus adds ~0.5 GB of host RSS
 RUNTIME_BYTES = 512 * 2**20
+RUNTIME_FIT = "512 MiB, fitted on one 2-core AMD EPYC (imports: 381 MiB; small runs: 420-540 MiB beyond tensors)"
+ROLES = ("rank 0", "other drafter ranks", "target ranks")
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,32 @@ def target_shape(target: str) -> TargetShape:
     )
 
 
+LOCAL_BUILDS = ("tiny", "random", "tiny_chat")  # model.build.kind: built on this machine from model.build's widths
+
+
+def planned_shape(model_cfg) -> tuple[TargetShape, str | None]:
+    """The shape to plan with, and a note when it is not read from the target: a local build that is not built
+    yet is planned from model.build's widths (nothing is built or loaded for a plan; the vocabulary is
+    model.build's size, an upper bound of the trained tokenizer's)."""
+    from pathlib import Path
+
+    b = model_cfg.get("build")
+    built = (Path(str(model_cfg.target)).expanduser() / "config.json").exists()
+    if model_cfg.target in KNOWN_TARGETS or built or b is None or b.kind not in LOCAL_BUILDS:
+        return target_shape(model_cfg.target), None
+    shape = TargetShape(
+        b.hidden_size,
+        b.num_layers,
+        b.num_attention_heads,
+        b.num_key_value_heads,
+        b.head_dim,
+        b.intermediate_size,
+        b.model_vocab_size or b.vocab_size,
+        bool(b.tie_word_embeddings),
+    )
+    return shape, f"{model_cfg.target} is not built yet: planned from model.build's widths"
+
+
 @dataclass(frozen=True)
 class DrafterShape:
     layers: int
@@ -113,17 +146,50 @@ def drafter_shape(model_cfg, t: TargetShape) -> DrafterShape:
     return DrafterShape(n, features, heads, kv, hd, inter, layer, n * layer + features * t.hidden**2 + 2 * t.hidden)
 
 
+def roles(cfg, nproc: int) -> list[str]:
+    """The kinds of rank a run of `nproc` processes has (ROLES), rank 0 first."""
+    target_ranks = (cfg.parallel.get("target_ranks") or 0) if nproc > 1 else 0
+    drafters = nproc - target_ranks
+    return ["rank 0"] + (["other drafter ranks"] if drafters > 1 else []) + (["target ranks"] if target_ranks else [])
+
+
+def runs_target(cfg, nproc: int, role: str) -> bool:
+    """Whether a rank of `role` runs the target's forward for training (else it reads features)."""
+    target_ranks = (cfg.parallel.get("target_ranks") or 0) if nproc > 1 else 0
+    if role == "target ranks":
+        return True
+    return not target_ranks and cfg.features.name != "store"
+
+
+def loads_whole_target(cfg, nproc: int, role: str) -> bool:
+    """Whether a rank of `role` loads the whole target (as job.build_job decides), else its embedding and LM
+    head only: for its training forward, or rank 0 for the evals, which decode with the target."""
+    target_ranks = (cfg.parallel.get("target_ranks") or 0) if nproc > 1 else 0
+    evals = bool(cfg.eval.num_prompts or cfg.eval.get("suites"))
+    if role == "rank 0" and (target_ranks or evals):
+        return True
+    return runs_target(cfg, nproc, role)
+
+
 def memory_parts(
-    cfg, t: TargetShape, nproc: int = 1, batch_size: int | None = None, seq_len: int | None = None, device=None
+    cfg,
+    t: TargetShape,
+    nproc: int = 1,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    device=None,
+    role: str = "rank 0",
 ):
-    """Predicted bytes per rank, by part (the module docstring says what each holds); rank 0, the larger.
+    """Predicted bytes per rank of `role` (ROLES), by part (the module docstring says what each holds).
     `device` (cpu | cuda; None: the config's) decides whether attention scores of the target are materialised."""
     m, tr, par = cfg.model, cfg.train, cfg.parallel
     d = drafter_shape(m, t)
     w = DTYPE_BYTES[m.dtype]
-    name = par.name if nproc > 1 else "single"
-    shard = nproc if name == "fsdp" else 1
-    bsz = max(1, (batch_size or tr.batch_size) // nproc)  # train.batch_size is the global batch
+    target_ranks = (par.get("target_ranks") or 0) if nproc > 1 else 0
+    drafters = nproc - target_ranks  # the data-parallel drafter ranks
+    name = par.name if drafters > 1 else "single"
+    shard = drafters if name == "fsdp" else 1
+    bsz = max(1, (batch_size or tr.batch_size) // drafters)  # train.batch_size is the global batch
     S, A, B, H = seq_len or tr.seq_len, tr.num_anchors, m.block_size, t.hidden
     T, ctx = bsz * A * B, bsz * S  # block tokens and context tokens of one step on this rank
     device = device or (m.device if m.device != "auto" else ("cuda" if _cuda() else "cpu"))
@@ -142,22 +208,28 @@ def memory_parts(
     items = 1 if cfg.pipeline.mode == "sync" else cfg.pipeline.queue_size + 2
     if cfg.pipeline.queue_bytes:
         items = min(items, max(1, cfg.pipeline.queue_bytes // max(1, item)) + 2)
-    target_ranks = par.get("target_ranks") or 0
     unit = max(d.layer_params, d.features * H * H)
-    return {
-        "target weights": t.total_params * w,
+    weights = t.total_params if loads_whole_target(cfg, nproc, role) else t.head_params
+    parts = {
+        "target weights": weights * w,
         "drafter parameters": d.params * w // shard,
         "gradients": d.params * w * (2 if name == "ddp" else 1) // shard,
         "optimizer state": 2 * d.params * w // shard,
         "fsdp gathered": 2 * unit * w if name == "fsdp" else 0,
         "eval copy": max(0, d.params * w - (2 * unit * w if name == "fsdp" else 0)) if name in ("ddp", "fsdp") else 0,
-        "target activations": target_act * w,
+        "target activations": target_act * w if runs_target(cfg, nproc, role) else 0,
         "drafter activations": (d.layers * per_layer + 3 * ctx * H + 2 * T * H) * w,
         "chunked loss": 5 * min(m_chunk(cfg), T) * t.vocab * 4,
         "queues": items * item,
         "feature transport": cfg.pipeline.queue_size * item if target_ranks else 0,
         "runtime": RUNTIME_BYTES,
     }
+    if role != "rank 0":
+        parts["eval copy"] = 0  # the full drafter is gathered on rank 0 only
+    if role == "target ranks":  # the target's forward and the link's items; no drafter
+        keep = ("target weights", "target activations", "feature transport", "runtime")
+        parts = {k: (v if k in keep else 0) for k, v in parts.items()}
+    return parts
 
 
 def m_chunk(cfg) -> int:
@@ -171,8 +243,8 @@ def _cuda() -> bool:
 
 
 def peak_bytes(cfg, t: TargetShape, nproc: int = 1, **kw) -> int:
-    """The predicted peak per rank: the sum of the parts."""
-    return sum(memory_parts(cfg, t, nproc, **kw).values())
+    """The predicted peak per rank: the sum of the parts of the rank that holds the most."""
+    return max(sum(memory_parts(cfg, t, nproc, role=r, **kw).values()) for r in roles(cfg, nproc))
 
 
 def largest_fit(
@@ -224,15 +296,21 @@ def flops_per_token(cfg, t: TargetShape) -> dict[str, float]:
 
 
 def headline(cfg, t: TargetShape, nproc: int = 1, device: str | None = None) -> dict:
-    """What a run records in run.json and logs at start: the predicted peak per rank and its largest parts."""
-    parts = memory_parts(cfg, t, nproc, device=device)
+    """What a run records in run.json and logs at start: the predicted peak of the rank that holds the most, its
+    largest parts, and each kind of rank's peak."""
+    by_role = {r: memory_parts(cfg, t, nproc, device=device, role=r) for r in roles(cfg, nproc)}
+    role = max(by_role, key=lambda r: sum(by_role[r].values()))
+    parts = by_role[role]
     total = sum(parts.values())
     top = sorted(((k, v) for k, v in parts.items() if v), key=lambda kv: -kv[1])[:3]
     return {
         "predicted_peak_gib_per_rank": round(total / GIB, 3),
         "nproc": nproc,
         "parts_gib": {k: round(v / GIB, 3) for k, v in parts.items()},
+        "largest_rank": role,
+        "peak_gib_by_rank": {r: round(sum(p.values()) / GIB, 3) for r, p in by_role.items()},
         "text": f"predicted peak {total / GIB:.2f} GiB per rank ("
+        + (f"{role}: " if len(by_role) > 1 else "")
         + ", ".join(f"{k} {v / GIB:.2f}" for k, v in top)
         + ")",
     }

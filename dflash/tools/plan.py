@@ -4,15 +4,17 @@ and the target/drafter token rates that balance the pipeline, from FLOPs. OVERRI
 composes the same config); `+nproc` is the number of data-parallel ranks (torchrun's --nproc-per-node x nodes),
 `+memory_gib` the device memories to fit (default 80 and 141), `+device=cpu` plans a CPU run (default cuda
 unless model.device=cpu), `+tflops` a device's dense TFLOP/s at the dtype
-(default 989: an H100's bf16) for the token rates. Nothing is loaded: a hub target the presets name is planned
-from its published shape, any other from its config.json."""
+(default 989: an H100's bf16) for the token rates. Nothing is loaded or built: a hub target the presets name is
+planned from its published shape, a local build not built yet (model=tiny, qwen3_8b_random) from model.build's
+widths, any other from its config.json. Each kind of rank gets its column: rank 0, the other drafter ranks, and
+parallel.target_ranks' target ranks; a rank that runs no target forward (features=store, a drafter rank under
+target_ranks) holds only the target's embedding and LM head, unless rank 0 runs the evals."""
 
 from __future__ import annotations
 
 import sys
 
-from dflash.model.plan import GIB, flops_per_token, largest_fit, memory_parts, target_shape
-from dflash.model.tiny import ensure_target
+from dflash.model.plan import GIB, RUNTIME_FIT, flops_per_token, largest_fit, memory_parts, planned_shape, roles
 from dflash.tools.features import compose
 from dflash.validation import validate
 
@@ -32,19 +34,22 @@ def split_args(argv: list[str]) -> tuple[list[str], dict]:
 
 
 def render(cfg, nproc: int, memories: list[float], tflops: float, device: str) -> str:
-    t = target_shape(cfg.model.target)
-    parts = memory_parts(cfg, t, nproc, device=device)
-    total = sum(parts.values())
+    t, note = planned_shape(cfg.model)
+    kinds = roles(cfg, nproc)
+    by_role = {r: memory_parts(cfg, t, nproc, device=device, role=r) for r in kinds}
     par = cfg.parallel.name if nproc > 1 else "single"
     lines = [
         f"plan for {cfg.model.name} ({cfg.model.target}, {t.total_params / 1e9:.2f}B params), {cfg.model.dtype}, "
         f"parallel={par} on {nproc} {device} rank(s), train.batch_size={cfg.train.batch_size} (global) x "
         f"train.seq_len={cfg.train.seq_len}, {cfg.train.num_anchors} anchors x block {cfg.model.block_size}",
+        *([note] if note else []),
         "",
-        "| part | GiB per rank |",
-        "|---|---|",
-        *(f"| {k} | {v / GIB:.2f} |" for k, v in parts.items()),
-        f"| **predicted peak** | **{total / GIB:.2f}** |",
+        "| part | " + " | ".join(f"GiB, {r}" for r in kinds) + " |",
+        "|---|" + "---|" * len(kinds),
+        *(f"| {k} | " + " | ".join(f"{by_role[r][k] / GIB:.2f}" for r in kinds) + " |" for k in by_role[kinds[0]]),
+        "| **predicted peak** | " + " | ".join(f"**{sum(by_role[r].values()) / GIB:.2f}**" for r in kinds) + " |",
+        "",
+        f"runtime: {RUNTIME_FIT}; a constant, not a prediction.",
         "",
         "largest global train.batch_size that fits (predicted; 0 = not even 1 per rank):",
         "",
@@ -77,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
     overrides, opts = split_args(argv)
     cfg = compose(overrides)
     validate(cfg)
-    ensure_target(cfg.model)  # a locally built target (tiny, qwen3_8b_random) needs its config.json
     memories = [float(x) for x in str(opts["memory_gib"]).split(",") if x]
     device = opts["device"] or ("cpu" if cfg.model.device == "cpu" else "cuda")  # a plan is for GPUs by default
     print(render(cfg, opts["nproc"], memories, opts["tflops"], device))
