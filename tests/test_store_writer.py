@@ -99,3 +99,58 @@ def test_the_manifest_records_the_tokenizer_and_rendering_and_a_change_is_named(
         StoreMismatch, match=rf"data.render_version: store {RENDER_VERSION - 1} vs run {RENDER_VERSION}"
     ):
         check_manifest(tmp_path, manifest)
+
+
+def test_each_rank_reads_only_its_rows_and_the_ranks_hash_each_shard_once(tmp_path, monkeypatch):
+    """Under DDP a rank reads its rows of the features (slices), not whole tensors; the ranks hash the store once
+    between them (shard k by rank k mod N), and a process hashes a shard once: a second reader trusts it while
+    the file keeps its size and time, and a changed shard is still found."""
+    from dflash.train import feature_store
+
+    writer = StoreWriter(tmp_path, MANIFEST, PER_SHARD)
+    write(writer, writer.mine(BATCHES))
+    writer.close(BATCHES)
+    hashed, whole_reads = [], []
+    sha256 = feature_store._sha256
+    monkeypatch.setattr(feature_store, "_sha256", lambda p: hashed.append(p.name) or sha256(p))
+    monkeypatch.setattr(feature_store, "_VERIFIED", set(), raising=False)  # none hashed yet in this process
+    from safetensors import safe_open
+
+    class Recording:  # safe_open's handle, counting the features read whole
+        def __init__(self, path, framework):
+            self.f = safe_open(path, framework=framework)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_slice(self, key):
+            return self.f.get_slice(key)
+
+        def get_tensor(self, key):
+            if key.endswith("_hidden"):
+                whole_reads.append(key)
+            return self.f.get_tensor(key)
+
+    monkeypatch.setattr("safetensors.safe_open", Recording)
+    for rank in (0, 1):
+        items = list(StoreReader(tmp_path, (0, 0), torch.device("cpu"), rank=rank, world_size=2))
+        rows = slice(2 * rank, 2 * rank + 2)  # 4 rows a batch, 2 a rank
+        assert all(torch.equal(it.target_hidden, batch(it.index)[1][rows]) for it in items)
+        assert all(it.last_hidden.shape == (2, 8, 3) for it in items)  # (batch()'s last_hidden is unseeded)
+    assert whole_reads == []  # every feature read as its rank's slice
+    assert sorted(hashed) == [f"shard_0000{k}.safetensors" for k in range(4)]  # each shard by one rank
+    hashed.clear()  # this process has hashed every shard (as the two ranks' readers): a new reader trusts them
+    assert len(list(StoreReader(tmp_path, (0, 0), torch.device("cpu")))) == BATCHES and hashed == []
+    shard = tmp_path / "shard_00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF
+    shard.write_bytes(bytes(data))  # the same size, a new modification time
+    with pytest.raises(StoreCorrupt, match="shard_00002.safetensors is missing or does not match its sha256"):
+        list(StoreReader(tmp_path, (0, 0), torch.device("cpu")))

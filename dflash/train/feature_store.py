@@ -10,8 +10,9 @@ build`) and read by every job of a sweep instead of running the target (`feature
 
 A shard is written to `*.tmp` and renamed, then its sha256 goes into index.json (rewritten atomically), so a
 killed build leaves only whole shards listed; it resumes after the last one (a torn `*.tmp` is removed and redone).
-Every shard's sha256 is checked when the reader first opens it. Why safetensors and not Arrow: the items are a few
-large dense tensors per batch, read whole; safetensors maps them without a copy and needs no schema.
+Every shard's size is checked when the reader opens it and its sha256 once per process (`verify_shard`). Why
+safetensors and not Arrow: the items are a few large dense tensors per batch, each rank reading a slice of
+rows; safetensors maps them without a copy, slices them on read and needs no schema.
 
 The store is keyed by global batch, in the order the run's data yields them (the seeded sequence `train.seed`
 fixes), so a job reads exactly the items the target would have made; under torchrun each rank takes its rows of
@@ -186,10 +187,32 @@ def _committed(store: Path) -> list[dict]:
     return [e for p in parts for e in (read_json(p, default=None) or {}).get("shards", [])]
 
 
+_VERIFIED: set[tuple[str, int, int, str]] = set()  # (path, bytes, mtime_ns, sha256) this process has hashed
+
+
+def verify_shard(store: Path, shard: dict, hash_it: bool = True) -> None:
+    """StoreCorrupt unless the shard is there at its recorded size and, when `hash_it`, of its recorded sha256.
+    A shard is hashed once per process (the jobs of a multirun share one): later opens of the same file at the
+    same size and modification time trust that hash."""
+    path = store / shard["file"]
+    st = path.stat() if path.is_file() else None
+    bad = StoreCorrupt(f"feature store {store}: {shard['file']} is missing or does not match its sha256")
+    if st is None or st.st_size != shard["bytes"]:
+        raise bad
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, shard["sha256"])
+    if not hash_it or key in _VERIFIED:
+        return
+    if _sha256(path) != shard["sha256"]:
+        raise bad
+    _VERIFIED.add(key)
+
+
 class StoreReader:
-    """The stored HiddenItems from the batch at `start` = (pass, index) on, this rank's rows of each, on
-    `device`, the features in `dtype` (the training dtype; None: as stored, fp8 dequantised to float32). Each
-    shard's sha256 is verified when it is first opened."""
+    """The stored HiddenItems from the batch at `start` = (pass, index) on, this rank's rows of each (read as
+    slices: N ranks read the store's features once between them), on `device`, the features in `dtype` (the
+    training dtype; None: as stored, fp8 dequantised to float32). Each shard's size is checked when it is
+    opened and its sha256 verified once per process, by one rank of N (shard k by rank k mod N: the ranks hash
+    the store once between them; a rank that finds a changed shard fails the job at the step's collective)."""
 
     def __init__(
         self,
@@ -214,21 +237,19 @@ class StoreReader:
             )
         self.position = keys.index(tuple(start))
 
-    def _open(self, shard: dict):
+    def _open(self, number: int, shard: dict):
         from safetensors import safe_open
 
-        path = self.store / shard["file"]
-        if not path.is_file() or path.stat().st_size != shard["bytes"] or _sha256(path) != shard["sha256"]:
-            raise StoreCorrupt(f"feature store {self.store}: {shard['file']} is missing or does not match its sha256")
-        return safe_open(str(path), framework="pt")
+        verify_shard(self.store, shard, hash_it=number % self.world_size == self.rank)
+        return safe_open(str(self.store / shard["file"]), framework="pt")
 
     def __iter__(self) -> Iterator[HiddenItem]:
         seen = 0
-        for shard in self.shards:
+        for number, shard in enumerate(self.shards):
             if seen + len(shard["batches"]) <= self.position:
                 seen += len(shard["batches"])
                 continue
-            with self._open(shard) as f:
+            with self._open(number, shard) as f:
                 keys = set(f.keys())
                 for i, (data_pass, index) in enumerate(shard["batches"]):
                     if seen + i >= self.position:
@@ -245,8 +266,8 @@ class StoreReader:
         rows = slice(part.row_start, part.row_start + part.input_ids.shape[0])
         shard_keys = {k.split("/", 1)[1] for k in keys if k.startswith(f"{i}/")}
 
-        def read(name: str) -> torch.Tensor:  # this rank's rows only, before fp8 is dequantised
-            return f.get_tensor(f"{i}/{name}")[rows]
+        def read(name: str) -> torch.Tensor:  # this rank's rows only, read as a slice, before fp8 is dequantised
+            return f.get_slice(f"{i}/{name}")[rows]
 
         t["target_hidden"], t["last_hidden"] = (
             decode(read, n, self.dtype, shard_keys) for n in ("target_hidden", "last_hidden")
