@@ -1,7 +1,8 @@
 """A feature store: the target's features of a run's global batches, computed once (`python -m dflash.features
 build`) and read by every job of a sweep instead of running the target (`features=store`).
 
-    <store>/manifest.json   what the features are of: target files, layer ids, dtype, seq_len, batch size, seed,
+    <store>/manifest.json   what the features are of: target files (every shard; a hub name's revision), the
+                            target's dtype and attention, layer ids, dtype, seq_len, batch size, seed,
                             the data settings and fingerprint, the tokenizer's files, the rendering version,
                             the feature definition's version, the number of batches
     <store>/index.json      the committed shards, in order: file, sha256, bytes, the (pass, index) of each batch
