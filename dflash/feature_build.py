@@ -7,7 +7,12 @@ runs the target on the global batches of its own shards (the shards still to bui
 shard holds what a one-process build writes there. Rank 0 alone holds the lock, writes the manifest and, once
 every rank is done, the index. The ranks meet only in collectives of the process group, each bounded by
 `parallel.init_timeout_s`; a rank that fails publishes its error, the others stop at their next shard, and all
-of them raise it instead of waiting for the missing shards."""
+of them raise it instead of waiting for the missing shards.
+
+A training job with features.build_missing=true builds the same way with its own ranks (job.build_job): under
+ddp/fsdp its ranks share the shards, so no rank waits for a whole build (a rank waits at most for rank 0 to take
+the lock and set up, and for the slowest rank's last shard, each within the collective timeout); the data
+fingerprint is the job's, hashed once by rank 0."""
 
 from __future__ import annotations
 
@@ -46,12 +51,14 @@ def planned_bytes(cfg: DictConfig, files) -> tuple[int, int]:
     return batches, tokens * per_token
 
 
-def build_store(cfg: DictConfig, world: World | None = None) -> Path:
+def build_store(cfg: DictConfig, world: World | None = None, files=None, fingerprint: dict | None = None) -> Path:
     """Build (or finish building, or extend to more batches) the store `cfg` reads, sharing the shards among
-    `world`'s ranks; returns its path. Refuses to start without the room."""
+    `world`'s ranks; returns its path. Refuses to start without the room. A training job (features.build_missing)
+    passes the target's `files` and the data `fingerprint` it already has: nothing is hashed again."""
     world = world or World()
-    files = target_files(cfg, world)
-    fingerprint = world.broadcast_to_all(data_fingerprint(cfg.data, cfg.model.target) if world.is_main else None)
+    files = files or target_files(cfg, world)
+    if fingerprint is None:  # hashed by rank 0 alone, broadcast
+        fingerprint = world.broadcast_to_all(data_fingerprint(cfg.data, cfg.model.target) if world.is_main else None)
     manifest = manifest_for(cfg, files.layer_ids, fingerprint)
     store = store_path(cfg, manifest)  # named without num_batches: a run reads the store of a longer build
     manifest["num_batches"] = total_steps(cfg.train)
@@ -67,7 +74,7 @@ def build_store(cfg: DictConfig, world: World | None = None) -> Path:
         writer = StoreWriter(store, manifest, cfg.features.shard_batches, world.rank, world.size, setup=False)
         failure = None
         try:
-            _write_shards(cfg, world, files, writer, batches)
+            _write_shards(cfg, world, files, writer, batches, fingerprint)
         except Exception as e:  # published, so the other ranks stop at their next shard instead of waiting
             failure = e
             world.report_failure(f"{type(e).__name__}: {e}")
@@ -109,12 +116,12 @@ def _ready(store: Path, manifest: dict, cfg: DictConfig, world: World, needed: i
     return False
 
 
-def _write_shards(cfg: DictConfig, world: World, files, writer: StoreWriter, batches: int) -> None:
+def _write_shards(cfg: DictConfig, world: World, files, writer: StoreWriter, batches: int, fingerprint) -> None:
     """This rank's shards: the target over their global batches, every batch of the run read in order (the data
     order depends on what came before), the others skipped."""
     mine = writer.mine(batches)
     device = world.device if world.distributed else resolve_device(cfg.model.device)
-    loaded = target_and_data(cfg, world, files, [str(device)] if mine else [])
+    loaded = target_and_data(cfg, world, files, [str(device)] if mine else [], fingerprint)
     target, per_shard, fault = loaded.target, cfg.features.shard_batches, cfg.debug.fail_target_at_batch
     if cfg.debug.fail_rank is not None and cfg.debug.fail_rank != world.rank:
         fault = None

@@ -101,8 +101,8 @@ def build_job(
     target, fingerprint = loaded.target, loaded.fingerprint
     store = None
     if store_mode:
-        if cfg.features.build_missing:  # rank 0 builds (or waits for another job building it), then every rank
-            world.main_first(lambda: build_store(cfg))
+        if cfg.features.build_missing:  # the ranks share the build (shards dealt round-robin); no one re-hashes
+            build_store(cfg, world, files, fingerprint)
         manifest = manifest_for(cfg, files.layer_ids, fingerprint)
         store = store_path(cfg, manifest)
         check_manifest(store, manifest)  # before training: a store of other settings is refused, naming the keys

@@ -49,11 +49,15 @@ def target_files(cfg: DictConfig, world: World) -> TargetFiles:
     return TargetFiles(config, layer_ids, load_tokenizer(cfg.model.target))
 
 
-def target_and_data(cfg: DictConfig, world: World, files: TargetFiles, places: list[str]) -> TargetAndData:
+def target_and_data(
+    cfg: DictConfig, world: World, files: TargetFiles, places: list[str], fingerprint: dict | None = None
+) -> TargetAndData:
     """A target replica on each of `places` (none: `[]`), the data fingerprint (hashed once, by rank 0: the
-    files can be gigabytes) and the training data (data=jsonl: rank 0 renders it into the cache first)."""
+    files can be gigabytes; given: the caller's, not hashed again) and the training data (data=jsonl: rank 0
+    renders it into the cache first)."""
     replicas = [TargetModel.load(cfg.model.target, files.layer_ids, cfg.model.dtype, p) for p in places]
-    fingerprint = world.broadcast_to_all(data_fingerprint(cfg.data, cfg.model.target) if world.is_main else None)
+    if fingerprint is None:
+        fingerprint = world.broadcast_to_all(data_fingerprint(cfg.data, cfg.model.target) if world.is_main else None)
     target_model = replicas[0].model if replicas else None
 
     def build() -> TrainingData:

@@ -127,3 +127,41 @@ def test_a_ddp_run_reads_its_rows_of_the_store(one_process_store, tmp_path, cach
     one, two = train_records(single)[-1], train_records(ddp)[-1]
     assert one["step"] == two["step"] == 16 and one["tokens"] == two["tokens"]
     assert two["train/loss"] == pytest.approx(one["train/loss"], rel=1e-5)
+
+
+COUNT_HASHES = """
+import os
+import dflash.data.fingerprint as fingerprint
+
+_hash = fingerprint.data_fingerprint
+
+def _counted(*a, **kw):
+    with open(os.path.join(os.environ["HASH_LOG"], "rank" + os.environ.get("RANK", "0")), "a") as f:
+        f.write("hashed\\n")
+    return _hash(*a, **kw)
+
+fingerprint.data_fingerprint = _counted
+"""
+
+
+def test_a_ddp_job_shares_a_missing_build_and_hashes_the_data_once(one_process_store, tmp_path, cache_dir):
+    """features.build_missing=true under parallel=ddp: both ranks build their shards of the store (a rank does
+    not wait out a whole build on rank 0 within parallel.init_timeout_s), the store is the one-process build's,
+    and the data set is hashed once, by rank 0 (counted by a hook on data_fingerprint in each process)."""
+    hook, log = tmp_path / "hook", tmp_path / "hashes"
+    hook.mkdir(), log.mkdir()
+    (hook / "sitecustomize.py").write_text(COUNT_HASHES)
+    store, run_dir = tmp_path / "store", tmp_path / "run"
+    args = [*BUILD, "features=store", f"features.path={store}", "features.build_missing=true", "parallel=ddp"]
+    path = os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])
+    torchrun(
+        [*args, f"hydra.run.dir={run_dir}"],
+        cache_dir,
+        check=True,
+        env={"PYTHONPATH": path, "HASH_LOG": str(log), **ONE_THREAD},
+    )
+    built = index(store)
+    assert built["complete"] and [s["rank"] for s in built["shards"]] == [0, 1] * 4  # both ranks built
+    assert [s["sha256"] for s in built["shards"]] == [s["sha256"] for s in index(one_process_store)["shards"]]
+    assert sorted(p.name for p in log.iterdir()) == ["rank0"] and (log / "rank0").read_text() == "hashed\n"
+    assert train_records(run_dir)[-1]["step"] == 16
