@@ -54,6 +54,7 @@ LAYERS = {
     "dflash.finish": 8,
     "dflash.run": 8,
     "dflash.lifecycle": 9,
+    "dflash.preflight": 9,  # launch.py's checks before Hydra runs: composes, validates, looks at data and target
     "dflash.tools": 10,  # the CLIs (compare, sweep, export, regenerate, bench): nothing imports them
 }
 

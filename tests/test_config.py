@@ -109,17 +109,21 @@ def _status(run_dir: Path) -> dict:
     [
         (["model.blok_size=3"], "blok_size", False),  # unknown key: Hydra refuses at composition
         (["model.block_size=abc"], "model.block_size", False),  # wrong type
-        (["model.block_size=1"], "model.block_size", True),  # out of range: our validation, in the run dir
-        (["model=tiny", "model.build.kind=none", "model.target=/nonexistent/model"], "/nonexistent/model", True),
-        (["data=jsonl", "data.path=/nonexistent/data.jsonl"], "/nonexistent/data.jsonl", True),
+        # out of range, a missing target or data: refused before Hydra makes the run directory (dflash/preflight.py)
+        (["model.block_size=1"], "model.block_size", False),
+        (["model=tiny", "model.build.kind=none", "model.target=/nonexistent/model"], "/nonexistent/model", False),
+        (["data=jsonl", "data.path=/nonexistent/data.jsonl"], "/nonexistent/data.jsonl", False),
+        # a sweep's job is checked in its run directory (its values may be swept): status.json says failed
+        (["-m", "model.block_size=1,2", "hydra.sweep.dir=SWEEP"], "model.block_size", True),
     ],
 )
 def test_bad_input_fails_fast(tmp_path, cache_dir, tiny_target, args, needle, creates_run_dir):
     run_dir = tmp_path / "run"
+    if "-m" in args:  # the first job's directory
+        args, run_dir = [a.replace("SWEEP", str(tmp_path / "sweep")) for a in args], tmp_path / "sweep" / "0"
     t0 = time.time()
-    proc = launch(
-        ["experiment=smoke", f"hydra.run.dir={run_dir}", *args], cache_dir, timeout=120, env={"HYDRA_FULL_ERROR": "0"}
-    )
+    args = ["-m"] * ("-m" in args) + ["experiment=smoke", f"hydra.run.dir={run_dir}", *(a for a in args if a != "-m")]
+    proc = launch(args, cache_dir, timeout=120, env={"HYDRA_FULL_ERROR": "0"})
     assert proc.returncode != 0
     assert time.time() - t0 < 60
     assert needle in proc.stderr + proc.stdout

@@ -114,3 +114,124 @@ def test_readme_is_a_front_page():
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail to docs/"
     for doc in ("data", "multi-gpu", "evaluation", "results", "training", "troubleshooting", "architecture"):
         assert f"docs/{doc}.md" in "\n".join(lines), f"README.md does not link docs/{doc}.md"
+
+
+# --- every launch.py command line the docs show composes (issue 40: the README's first real run did not) ---
+
+FENCE = re.compile(r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```", re.S | re.M)
+# a command: python (or torchrun, or torch.distributed.run) and launch.py on one logical line, also in a comment
+COMMAND = re.compile(r"\b(?:python3?|torchrun|torch\.distributed\.run)\b[^#;]*?\blaunch\.py\b(.*)")
+INLINE = re.compile(r"`((?:python3? |torchrun )[^`]*\blaunch\.py\b[^`]*)`")
+SHELL_VAR = re.compile(r"\$\{?([A-Za-z_]\w*)\}?")
+PLACEHOLDER = re.compile(r"<([a-z_]+)>")
+HYDRA_FLAGS = {"-m", "--multirun"}  # and `--cfg WHAT`, `--info`: they print, the composition is the same
+
+
+def _args_after_launch(line: str) -> list[str] | None:
+    import shlex
+
+    m = COMMAND.search(line)
+    if m is None:
+        return None
+    rest = m.group(1)
+    words = shlex.split(rest, comments=True)
+    args = []
+    for word in words:
+        if word in (";", "&&", "|", "done"):
+            break
+        if word.endswith(";"):  # `... hydra.run.dir=x; done`
+            args.append(word[:-1])
+            break
+        args.append(word)
+    # "..." stands for the reader's other overrides, <date> for a value of theirs
+    return [PLACEHOLDER.sub(r"\1", a) for a in args if a != "..."]
+
+
+def _block_commands(block: str) -> list[list[str]]:
+    """The launch.py argument lists of one code block: continuations joined, the block's `NAME=value` and
+    `for NAME in first ...` shell variables substituted (their first value)."""
+    shell_vars: dict[str, str] = {}
+    commands = []
+    for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+        text = line.strip()
+        if m := re.fullmatch(r"([A-Za-z_]\w*)=(\"[^\"]*\"|'[^']*'|\S+)", text):
+            shell_vars[m.group(1)] = m.group(2).strip("\"'")
+        for m in re.finditer(r"\bfor (\w+) in ([^;]+);", text):
+            shell_vars[m.group(1)] = m.group(2).split()[0]
+        text = SHELL_VAR.sub(lambda m: shell_vars.get(m.group(1), m.group(0)), text)
+        if (args := _args_after_launch(text)) is not None:
+            commands.append(args)
+    return commands
+
+
+def documented_launch_commands() -> list[tuple[str, list[str]]]:
+    """(where, arguments) of every `python launch.py ...` / `torchrun ... launch.py ...` in README.md and docs/*.md:
+    code blocks (comments included: `# = python launch.py ...`) and inline code."""
+    found = []
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        for block in FENCE.findall(text):
+            found += [(doc.name, args) for args in _block_commands(block)]
+        for span in INLINE.findall(FENCE.sub("", text)):
+            found += [(doc.name, args) for args in _block_commands(span.replace("\n", " "))]
+    return found
+
+
+def _jobs(args: list[str]) -> list[list[str]]:
+    """The overrides of the jobs a command line runs: W&B flags translated as launch.py does; under -m each value of
+    each sweep composed at least once (job i takes value i of every sweep, the last repeated)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from dflash.cli_flags import translate_wandb_flags
+
+    args = translate_wandb_flags(["launch.py", *args])[1:]
+    kept, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--cfg":
+            skip = True  # its value: job, hydra or all
+        elif a not in HYDRA_FLAGS and a != "--info":
+            kept.append(a)
+    parsed = OverridesParser.create().parse_overrides(kept)
+    values = [list(o.sweep_string_iterator()) if o.is_sweep_override() else [None] for o in parsed]
+    jobs = []
+    for i in range(max(len(v) for v in values) if values else 1):
+        job = []
+        for o, vs in zip(parsed, values, strict=True):
+            job.append(o.input_line if vs == [None] else f"{o.get_key_element()}={vs[min(i, len(vs) - 1)]}")
+        jobs.append(job)
+    return jobs
+
+
+def test_documented_commands_are_found():
+    """The extraction sees what a reader sees: the first real run, sweeps, torchrun lines, shell loops, comments."""
+    commands = documented_launch_commands()
+    assert len(commands) > 30
+    flat = [" ".join(args) for _, args in commands]
+    assert any("data.chat_template_kwargs={enable_thinking: false}" in c for c in flat)
+    assert "-m loss=kl_streak loss.kl_temperature=1,2,4 train.seed=0,1,2" in flat
+    assert any(c.startswith("parallel=fsdp model=qwen3_8b") for c in flat)  # a torchrun line
+    assert any("features.dtype=bfloat16" in c and "$" not in c for c in flat)  # the store-dtype shell loop
+    assert "-m experiment=ablation_loss" in flat  # `make ablation  # = python launch.py -m ...`
+    assert _jobs(["-m", "a.b=1,2,3", "c=x,y"]) == [["a.b=1", "c=x"], ["a.b=2", "c=y"], ["a.b=3", "c=y"]]
+
+
+def test_every_documented_launch_command_composes():
+    """Each launch.py command line of README.md and docs/*.md composes with Hydra's compose API and passes
+    validate() (no run): a doc's command that Hydra or the value checks refuse fails here, naming the doc."""
+    from hydra import compose, initialize_config_dir
+
+    from dflash.config import CONF_DIR, register_configs
+    from dflash.validation import validate
+
+    register_configs()
+    failures = []
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for where, args in documented_launch_commands():
+            try:
+                for overrides in _jobs(args):
+                    validate(compose(config_name="config", overrides=overrides))
+            except Exception as e:  # noqa: BLE001 - every failure is reported, with its doc
+                failures.append(f"{where}: launch.py {' '.join(args)}: {type(e).__name__}: {e}")
+    assert not failures, "\n".join(failures)
