@@ -130,3 +130,20 @@ def test_a_cached_hub_model_loads_offline_when_the_hub_is_unreachable(tmp_path, 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     with pytest.raises(preflight.LaunchRefused, match="unreachable"):
         preflight._check_target("org/other")  # not cached: refused, naming the hub
+
+
+def test_regenerate_without_a_server_names_the_url_and_the_fix(tmp_path):
+    """`python -m dflash.regenerate ... --backend openai` with nothing listening: one error line, not the client's
+    three chained tracebacks, naming the base URL and saying to start the server."""
+    from dflash.tools.regenerate import main
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    base_url = _closed_port_endpoint() + "/v1"
+    argv = [str(chats), str(tmp_path / "out.jsonl"), "--backend", "openai", "--base-url", base_url, "--max-retries=0"]
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    message = str(stopped.value.code)
+    assert message.startswith("error: ") and "\n" not in message, message
+    assert base_url in message and "start the server" in message, message
+    assert not (tmp_path / "out.jsonl").exists()

@@ -26,6 +26,10 @@ class EmptyReply(ReplyFailed):
     reason = "empty_reply"
 
 
+class ServerUnreachable(RuntimeError):
+    """The openai backend's server does not answer at all: the message names the URL and says to start it."""
+
+
 @dataclass
 class GenerationSettings:
     max_new_tokens: int = 512
@@ -134,15 +138,26 @@ class OpenAIBackend:
             max_retries=max_retries,
             timeout=timeout_s,
         )
-        self.name = model or self._served_model()
+        self.name = self._served_model(model)  # one request before any record: a server that is not there
         self.concurrency = concurrency
 
     def identity(self) -> dict:
         """Who answers: the served model's name (not the URL: a restarted server may move) and the settings."""
         return {"backend": "openai", "model": self.name, **asdict(self.settings)}
 
-    def _served_model(self) -> str:
-        models = [m.id for m in self.client.models.list()]
+    def _served_model(self, model: str | None) -> str:
+        """`model`, or the first one the server lists; the listing also finds out whether a server answers."""
+        from openai import APIConnectionError, APITimeoutError
+
+        try:
+            models = [m.id for m in self.client.models.list()]
+        except (APIConnectionError, APITimeoutError) as e:  # after the client's retries
+            raise ServerUnreachable(
+                f"no OpenAI-compatible server answers at --base-url {self.client.base_url} ({e.__cause__ or e}): "
+                "start the server first (e.g. vllm serve MODEL --port 8000), or pass its URL with --base-url"
+            ) from None
+        if model:
+            return model
         if not models:
             raise RuntimeError(f"{self.client.base_url} serves no model; pass --model")
         return models[0]

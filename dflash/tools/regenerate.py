@@ -305,7 +305,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     install_logging()  # log lines scroll above the progress bar on a terminal
     if not args.input.is_file():
         raise SystemExit(f"{args.input}: no such file")
-    backend = build_backend(args)
+    from dflash.tools.regen_backends import ServerUnreachable
+
+    try:
+        backend = build_backend(args)
+    except ServerUnreachable as e:  # one line, not the client's three chained tracebacks
+        raise SystemExit(f"error: {e}") from None
     chunk = args.chunk_size or (64 if args.backend == "hf" else 8 * args.concurrency)
     outcome = regenerate_file(args.input, args.output, backend, chunk)
     log.info(
