@@ -223,6 +223,10 @@ class EvalConfig:
     # eval.temperature and eval.max_new_tokens; results in benchmarks.json and the bench/<suite>/* metrics
     suites: list[str] = field(default_factory=list)
     suite_max_samples: int | None = None  # rows per suite, sampled as z-lab samples (null = all)
+    # true: tau (eval and suites) by exact replay of greedy verification over the target's cached greedy outputs
+    # and features (<paths.cache_dir>/replay, shared by a sweep's jobs; evaluation/replay.py): no target decoding
+    # per job, no speed or losslessness measured. false: full speculative decoding (a single run's final eval)
+    replay: bool = False
 
 
 @dataclass

@@ -117,6 +117,7 @@ def _benchmarks(
             cache_dir=cfg.paths.cache_dir,
             info={"drafter": str(run.drafter), "target": str(cfg.model.target), "step": job.trainer.step},
             step=job.trainer.step,
+            trace_cache=ev.trace_cache,
         )
     except interrupts.Interrupted:
         return "interrupted", "stopped by signal during the benchmarks (python -m dflash.benchmark RUN_DIR resumes)"

@@ -172,6 +172,12 @@ def validate(cfg: DictConfig | Config) -> None:
     _check(e.num_prompts >= 0, "eval.num_prompts", e.num_prompts, "must be >= 0")
     _check(e.max_new_tokens >= 1, "eval.max_new_tokens", e.max_new_tokens, "must be >= 1")
     _check(e.temperature >= 0, "eval.temperature", e.temperature, "must be >= 0 (0 = greedy)")
+    _check(
+        not (e.replay and e.temperature > 0),
+        "eval.replay",
+        e.replay,
+        f"replays greedy verification only: set eval.temperature=0 (it is {e.temperature}) or eval.replay=false",
+    )
     _check(e.prompt_len >= 1, "eval.prompt_len", e.prompt_len, "must be >= 1")
     _check(e.prompt_lookup_ngram >= 1, "eval.prompt_lookup_ngram", e.prompt_lookup_ngram, "must be >= 1")
 

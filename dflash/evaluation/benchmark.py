@@ -30,6 +30,7 @@ from typing import Any
 
 from dflash.evaluation.decoding import CYCLE_RULE, acceptance_stats, speculative_generate
 from dflash.evaluation.evaluator import evaluate
+from dflash.evaluation.replay import TraceCache, replay_evaluate
 from dflash.evaluation.suites import ZLAB_SEED, chat_prompt, suite_prompts
 from dflash.jsonio import read_json, write_json, write_text_atomic
 from dflash.repetition import degenerate_share
@@ -77,8 +78,10 @@ def run_suite(
     ngram: int = 3,
     seed: int = 0,
     lookup: bool = True,
+    trace_cache: TraceCache | None = None,
 ) -> dict[str, Any]:
-    """One suite at one temperature: metrics and generations (see the module docstring)."""
+    """One suite at one temperature: metrics and generations (see the module docstring). With `trace_cache`
+    (eval.replay) each turn's tau is replayed over the target's cached greedy outputs: no speed is measured."""
     histories: list[list[dict]] = [[] for _ in conversations]
     generations: list[dict] = []
     for turn in range(max(len(c) for c in conversations)):
@@ -87,19 +90,25 @@ def run_suite(
         for i in active:
             histories[i].append({"role": "user", "content": conversations[i][turn]})
             prompts.append(tokenizer.encode(chat_prompt(tokenizer, histories[i], thinking)))
-        result = evaluate(
-            target,
-            drafter,
-            prompts,
-            max_new_tokens=max_new_tokens,
-            block_size=block_size,
-            temperature=temperature,
-            baselines=lookup,
-            ngram=ngram,
-            seed=seed + turn * TURN_SEED_STRIDE,
-            eos_id=tokenizer.eos_token_id,
-            warmup=turn == 0,
-        )
+        if trace_cache is not None:
+            result = replay_evaluate(
+                target, drafter, prompts, trace_cache, max_new_tokens=max_new_tokens, block_size=block_size,
+                eos_id=tokenizer.eos_token_id, baselines=lookup, ngram=ngram,
+            )  # fmt: skip
+        else:
+            result = evaluate(
+                target,
+                drafter,
+                prompts,
+                max_new_tokens=max_new_tokens,
+                block_size=block_size,
+                temperature=temperature,
+                baselines=lookup,
+                ngram=ngram,
+                seed=seed + turn * TURN_SEED_STRIDE,
+                eos_id=tokenizer.eos_token_id,
+                warmup=turn == 0,
+            )
         for i, p, row in zip(active, prompts, result["details"]["prompts"]):
             histories[i].append(
                 {"role": "assistant", "content": tokenizer.decode(row["tokens"], skip_special_tokens=True)}
@@ -112,10 +121,10 @@ def run_suite(
                     "tokens": row["tokens"],
                     "accept_lengths": row["accept_lengths"],
                     "lookup_accept_lengths": row.get("baseline_accept_lengths"),
-                    "decode_time_s": row["decode_time_s"],
+                    "decode_time_s": row.get("decode_time_s", 0.0),  # replay: nothing decoded, no speed
                     "target_only_decode_time_s": row["target_only_decode_time_s"],
                     "target_only_decode_tokens": row["target_only_decode_tokens"],
-                    "matches_target_only": row["matches_target_only"],
+                    "matches_target_only": row.get("matches_target_only"),  # replay: None, not measured
                     "eos_id": tokenizer.eos_token_id,
                 }
             )
@@ -140,7 +149,7 @@ def suite_metrics(generations: list[dict], block_size: int, temperature: float, 
     lookups = [g["lookup_accept_lengths"] for g in generations if g.get("lookup_accept_lengths") is not None]
     if lookups:
         metrics["tau_lookup"] = _zlab_tau(lookups)
-    if temperature <= 0:
+    if temperature <= 0 and all(g["matches_target_only"] is not None for g in generations):
         metrics["lossless"] = float(all(g["matches_target_only"] for g in generations))
     metrics["num_prompts"] = float(num_prompts)
     metrics["num_generations"] = float(len(generations))
@@ -173,6 +182,7 @@ def run_benchmarks(
     lookup: bool = True,
     info: dict | None = None,
     step: int | None = None,
+    trace_cache: TraceCache | None = None,
 ) -> dict[str, Any]:
     """Every suite at every temperature; benchmarks.json (after each) and benchmarks.md in `out_dir`. A result
     already in benchmarks.json with the same settings and of the same drafter weights is kept, not repeated
@@ -194,6 +204,7 @@ def run_benchmarks(
         lookup=lookup,
         eos_id=tokenizer.eos_token_id,
         cycles=CYCLE_RULE,  # results counted by another rule are not reused
+        replay=trace_cache is not None,  # a replayed result is not a decoded one
     )
     data = read_json(path) or {}
     data.update({"info": info or {}, "versions": {**package_versions(), **_data_versions()}})
@@ -240,6 +251,7 @@ def run_benchmarks(
                 ngram=ngram,
                 seed=seed,
                 lookup=lookup,
+                trace_cache=trace_cache,
             )
             results[key] = {"settings": settings, "drafter": drafter_id, **run}
             write_json(path, data)  # after every suite: an interrupted benchmark resumes from here

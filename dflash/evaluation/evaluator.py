@@ -9,6 +9,7 @@ import copy
 import logging
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from dflash.evaluation.decoding import (
     prompt_lookup_generate,
     speculative_generate,
 )
+from dflash.evaluation.replay import TraceCache, replay_evaluate, target_identity
 from dflash.evaluation.sim_tau import sim_tau_metrics
 from dflash.model.build import init_drafter
 from dflash.model.drafter import DFlashDraftModel
@@ -259,6 +261,14 @@ def choose_prompts(eval_cfg, data_cfg, tokenizer, seed: int, **heldout) -> list[
     return prompts[: eval_cfg.num_prompts]
 
 
+def trace_cache_for(cfg, layer_ids: Sequence[int]) -> TraceCache:
+    """eval.replay's traces: under <paths.cache_dir>/replay, keyed by the target's files and the decode settings
+    (every job of a sweep over the drafter's training shares them)."""
+    settings = {"max_new_tokens": cfg.eval.max_new_tokens, "block_size": cfg.model.block_size,
+                "layer_ids": list(layer_ids), "dtype": cfg.model.dtype}  # fmt: skip
+    return TraceCache(Path(cfg.paths.cache_dir) / "replay", target_identity(cfg.model.target), settings)
+
+
 class Evaluator:
     """A training run's evaluations: the prompts (chosen once), when to evaluate (`should_eval`), the baselines
     (prompt lookup and the drafter as initialised, at the final eval), and eval.json with the prompts' token
@@ -297,8 +307,12 @@ class Evaluator:
         # train.seed, as `python -m dflash.evaluate RUN_DIR` does, so the CLI replays it exactly
         want = main and self.cfg.baselines and self.prompts
         self.untrained = on_device_of(untrained_like(drafter, cfg.train.seed), target.model) if want else None
+        self.trace_cache = trace_cache_for(cfg, self.target_layer_ids()) if cfg.eval.replay and main else None
         self.on_result = on_result or (lambda metrics: None)  # every eval's metrics (the run's callbacks.on_eval)
         self.on_final = on_final or (lambda step, metrics, details: None)  # callbacks.on_final_eval
+
+    def target_layer_ids(self) -> list[int]:
+        return list(self.drafter.target_layer_ids)
 
     def should_eval(self, step: int, done: bool) -> bool:
         """Periodic evals at every `eval.every_steps`; the last step gets the final eval instead. Decided from
@@ -328,21 +342,21 @@ class Evaluator:
         snapshot = on_device_of(snapshot, self.target.model)
         log.info("eval at step %d: %d prompts%s", step, len(self.prompts), " with baselines" if final else "")
         t0 = time.time()
-        result = evaluate(
-            self.target.model,
-            snapshot,
-            self.prompts,
-            max_new_tokens=self.cfg.max_new_tokens,
-            block_size=self.block_size,
-            temperature=self.cfg.temperature,
-            baselines=self.cfg.baselines and final,
-            ngram=self.cfg.prompt_lookup_ngram,
-            untrained_drafter=self.untrained if final else None,
-            seed=self.seed,
-            eos_id=self.tokenizer.eos_token_id,
-            tokenizer=self.tokenizer,
-            sim_tau=True,
-        )
+        if self.trace_cache is not None:  # eval.replay: no decoding, the target's cached greedy outputs
+            result = replay_evaluate(
+                self.target.model,
+                snapshot,
+                self.prompts,
+                self.trace_cache,
+                max_new_tokens=self.cfg.max_new_tokens,
+                block_size=self.block_size,
+                eos_id=self.tokenizer.eos_token_id,
+                baselines=self.cfg.baselines and final,
+                ngram=self.cfg.prompt_lookup_ngram,
+                untrained_drafter=self.untrained if final else None,
+            )
+        else:
+            result = self._decode(snapshot, final)
         details = result.pop("details", None)
         metrics = {k: float(v) for k, v in result.items() if isinstance(v, (int, float))}
         log.info(
@@ -363,6 +377,24 @@ class Evaluator:
                 prompts=self.prompts,
             )
         return metrics
+
+    def _decode(self, snapshot: DFlashDraftModel, final: bool) -> dict:
+        """Full speculative decoding of the prompts: tau, speed, losslessness and the teacher-forced estimates."""
+        return evaluate(
+            self.target.model,
+            snapshot,
+            self.prompts,
+            max_new_tokens=self.cfg.max_new_tokens,
+            block_size=self.block_size,
+            temperature=self.cfg.temperature,
+            baselines=self.cfg.baselines and final,
+            ngram=self.cfg.prompt_lookup_ngram,
+            untrained_drafter=self.untrained if final else None,
+            seed=self.seed,
+            eos_id=self.tokenizer.eos_token_id,
+            tokenizer=self.tokenizer,
+            sim_tau=True,
+        )
 
     def final(self, step: int, drafter: DFlashDraftModel | None = None) -> dict[str, float]:
         """The final eval, once per step: a resumed, already completed run finds it in eval.json. Rank 0 only;

@@ -40,25 +40,35 @@ def _leading(hits: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def block_accept_lengths(
-    target_model: nn.Module, drafter: DFlashDraftModel, seq: Sequence[int], first_anchor: int, block_size: int
-) -> tuple[list[int], list[int]]:
-    """Per anchor a in [first_anchor, len(seq) - block_size]: (1 + leading draft argmax == target argmax,
-    1 + leading draft argmax == seq's token). Empty lists when no block fits."""
+def target_pass(target_model: nn.Module, seq: Sequence[int], layer_ids: Sequence[int]):
+    """One forward of the target over `seq`: its greedy token after each position (1, S) and the features of
+    `layer_ids` at every position (1, S, n_feat * H), as the drafter reads them."""
     model = hf_model(target_model)
+    out = model(input_ids=torch.tensor([list(seq)], device=module_device(model)), output_hidden_states=True)
+    return out.logits.argmax(dim=-1), torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+@torch.no_grad()
+def drafted_lengths(
+    drafter: DFlashDraftModel,
+    embed: nn.Module,
+    head: nn.Module,
+    seq: Sequence[int],
+    target_next: torch.Tensor,
+    feats: torch.Tensor,
+    first_anchor: int,
+    last_anchor: int,
+    block_size: int,
+) -> tuple[list[int], list[int], list[list[int]]]:
+    """Per anchor a in [first_anchor, last_anchor] (blocks must fit in seq): (1 + leading draft argmax ==
+    target_next, 1 + leading draft argmax == seq's token, the drafts), each block drafted from the features of the
+    positions before its anchor (the training attention mask)."""
     device, dtype = module_device(drafter), module_dtype(drafter)
-    ids = torch.tensor([list(seq)], device=module_device(model))
-    last = len(seq) - block_size
-    if last < max(first_anchor, 0):
-        return [], []
-    out = model(input_ids=ids, output_hidden_states=True)
-    target_next = out.logits.argmax(dim=-1).to(device)  # (1, S): the target's greedy token after each position
-    feats = torch.cat([out.hidden_states[i + 1] for i in drafter.target_layer_ids], dim=-1).to(device, dtype)
-    ids = ids.to(device)
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    sim, data = [], []
-    for start in range(max(first_anchor, 0), last + 1, ANCHOR_CHUNK):
-        anchors = torch.arange(start, min(start + ANCHOR_CHUNK, last + 1), device=device).unsqueeze(0)
+    ids = torch.tensor([list(seq)], device=device)
+    target_next, feats = target_next.to(device), feats.to(device, dtype)
+    sim, data, drafts = [], [], []
+    for start in range(max(first_anchor, 0), last_anchor + 1, ANCHOR_CHUNK):
+        anchors = torch.arange(start, min(start + ANCHOR_CHUNK, last_anchor + 1), device=device).unsqueeze(0)
         valid = torch.ones_like(anchors, dtype=torch.bool)
         blocks = build_training_blocks(
             ids, torch.ones_like(ids, dtype=torch.bool), anchors, valid, block_size, drafter.mask_token_id
@@ -71,7 +81,23 @@ def block_accept_lengths(
         want = gather_positions(target_next.unsqueeze(-1), blocks.teacher_positions).squeeze(-1)
         sim += _leading(pred == want)[0].tolist()
         data += _leading(pred == blocks.labels)[0].tolist()
-    return sim, data
+        drafts += pred[0].tolist()
+    return sim, data, drafts
+
+
+@torch.no_grad()
+def block_accept_lengths(
+    target_model: nn.Module, drafter: DFlashDraftModel, seq: Sequence[int], first_anchor: int, block_size: int
+) -> tuple[list[int], list[int]]:
+    """Per anchor a in [first_anchor, len(seq) - block_size]: (1 + leading draft argmax == target argmax,
+    1 + leading draft argmax == seq's token). Empty lists when no block fits."""
+    last = len(seq) - block_size
+    if last < max(first_anchor, 0):
+        return [], []
+    model = hf_model(target_model)
+    target_next, feats = target_pass(model, seq, drafter.target_layer_ids)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    return drafted_lengths(drafter, embed, head, seq, target_next, feats, first_anchor, last, block_size)[:2]
 
 
 def replay(lengths: Sequence[int]) -> list[int]:

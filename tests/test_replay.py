@@ -1,0 +1,177 @@
+"""eval.replay: tau by replay of greedy verification over cached target traces (dflash/evaluation/replay.py) gives
+the accepted lengths full speculative decoding gives, cycle for cycle, including the last cycle past the limit and
+a stop token's cycle; the traces are computed once and reused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.evaluation import decoding
+from dflash.evaluation.decoding import prompt_lookup_generate, speculative_generate
+from dflash.evaluation.replay import (
+    TraceCache,
+    output_tokens,
+    replay_drafter,
+    replay_evaluate,
+    replay_lookup,
+    target_identity,
+    trace_prompt,
+)
+
+B = 4
+N = 30
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_dir):
+    """A random tiny target whose greedy output often is token 0 (so drafts are often accepted), a drafter that
+    always drafts token 0 (its final norm is zero) and one whose drafts depend on the features it reads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+
+    from dflash.model.drafter import DFlashDraftModel
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    target = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in target.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+        target.get_output_embeddings().weight[0] *= 4.0
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32)  # fmt: skip
+    cfg.dflash_config = {"mask_token_id": tok.mask_token_id, "target_layer_ids": [1, 2], "block_size": B}
+    cfg.block_size, cfg.num_target_layers = B, 4
+    torch.manual_seed(0)
+    zero = DFlashDraftModel(cfg).eval()
+    with torch.no_grad():
+        zero.norm.weight.zero_()
+    reading = DFlashDraftModel(cfg).eval()
+    with torch.no_grad():  # weights large enough that the drafts follow the context
+        for p in reading.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    texts = ("def foo(x):\n    return x + 1\n", "import os\nimport sys\nimport os\n", "class A:\n    pass\n")
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return target, zero, reading, prompts
+
+
+def _trace(target, drafter, prompt):
+    return trace_prompt(target, prompt, N, B, drafter.target_layer_ids)
+
+
+@pytest.mark.parametrize("eos_from_output", [False, True])
+def test_replay_gives_full_decodings_accepted_lengths(setup, eos_from_output):
+    target, zero, _, prompts = setup
+    seen_lengths = set()
+    for prompt in prompts:
+        trace = _trace(target, zero, prompt)
+        assert trace.ties == 0
+        # a stop token that the greedy output reaches mid-way: the loop ends after the cycle that emits it
+        eos = trace.continuation[N // 2] if eos_from_output else None
+        stop = frozenset() if eos is None else frozenset({eos})
+        with torch.no_grad():
+            real = speculative_generate(target, zero, prompt, max_new_tokens=N, block_size=B, eos_id=eos)
+        assert replay_drafter(zero, target, trace, N, B, stop) == real.accept_lengths
+        assert output_tokens(trace, N, stop) == real.tokens
+        seen_lengths |= set(real.accept_lengths)
+    assert seen_lengths - {1}, "a trivial case: no cycle accepted a draft"
+
+
+def test_replay_drafts_what_decoding_drafts_from_the_same_features(setup, monkeypatch):
+    """A drafter that reads its features: the replayed blocks propose, cycle for cycle, the tokens decoding's
+    proposer proposed (so the context features and positions are the ones decoding hands over)."""
+    target, _, reading, prompts = setup
+    proposed: list[list[int]] = []
+    real_propose = decoding.DFlashProposer.propose
+
+    def recording(self, seq, new_features, num_draft):
+        drafts = real_propose(self, seq, new_features, num_draft)
+        proposed.append(list(drafts))
+        return drafts
+
+    monkeypatch.setattr(decoding.DFlashProposer, "propose", recording)
+    for prompt in prompts:
+        proposed.clear()
+        with torch.no_grad():
+            real = speculative_generate(target, reading, prompt, max_new_tokens=N, block_size=B)
+        replayed: list[list[int]] = []
+        lengths = replay_drafter(reading, target, _trace(target, reading, prompt), N, B, frozenset(), replayed)
+        assert lengths == real.accept_lengths and replayed == proposed
+        assert len({tuple(d) for d in proposed}) > 1  # the drafts vary with the context
+
+
+def test_lookup_replay_gives_prompt_lookups_accepted_lengths(setup):
+    target, zero, _, prompts = setup
+    for prompt in prompts:
+        with torch.no_grad():
+            real = prompt_lookup_generate(target, prompt, N, B, ngram=3)
+        assert replay_lookup(_trace(target, zero, prompt), N, B, 3, frozenset()) == real.accept_lengths
+
+
+def test_traces_are_cached_by_target_and_settings(setup, tmp_path, tiny_dir):
+    target, zero, _, prompts = setup
+    settings = {"max_new_tokens": N, "block_size": B, "layer_ids": zero.target_layer_ids, "dtype": "float32"}
+    cache = TraceCache(tmp_path / "replay", target_identity(str(tiny_dir)), settings)
+    first = replay_evaluate(target, zero, prompts, cache, max_new_tokens=N, block_size=B, untrained_drafter=zero)
+    assert (cache.misses, cache.hits) == (len(prompts), 0)
+    again = TraceCache(tmp_path / "replay", target_identity(str(tiny_dir)), settings)
+    second = replay_evaluate(target, zero, prompts, again, max_new_tokens=N, block_size=B, untrained_drafter=zero)
+    assert (again.misses, again.hits) == (0, len(prompts))
+    assert first["details"] == second["details"] and first["eval/tau"] == second["eval/tau"]
+    assert first["eval/tau_untrained"] == first["eval/tau"] and first["eval/replay_ties"] == 0
+    with torch.no_grad():
+        real = [speculative_generate(target, zero, p, max_new_tokens=N, block_size=B).accept_lengths for p in prompts]
+    lengths = [x for r in real for x in r]
+    assert first["eval/tau"] == pytest.approx(sum(lengths) / len(lengths))
+    other = TraceCache(tmp_path / "replay", target_identity(str(tiny_dir)), {**settings, "max_new_tokens": N + 1})
+    assert other.path(prompts[0]) != cache.path(prompts[0])  # other decode settings: other traces
+
+
+def test_a_suites_turns_replay_as_they_decode(setup, tmp_path, tiny_dir):
+    """Two-turn conversations: the second turn's prompt holds the first turn's answer, as decoded."""
+    from transformers import AutoTokenizer
+
+    from dflash.evaluation.benchmark import run_suite
+
+    target, zero, _, _ = setup
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    convs = [["def add(a, b):", "now subtract"], ["import os", "and sys"]]
+    settings = {"max_new_tokens": N, "block_size": B, "layer_ids": zero.target_layer_ids, "dtype": "float32"}
+    cache = TraceCache(tmp_path / "replay", target_identity(str(tiny_dir)), settings)
+    common = dict(temperature=0.0, thinking=None, max_new_tokens=N, block_size=B)
+    with torch.no_grad():
+        decoded = run_suite(target, zero, tok, convs, **common)
+    replayed = run_suite(target, zero, tok, convs, **common, trace_cache=cache)
+    for key in ("prompt_ids", "tokens", "accept_lengths", "lookup_accept_lengths"):
+        assert [g[key] for g in replayed["generations"]] == [g[key] for g in decoded["generations"]], key
+    assert replayed["metrics"]["tau"] == decoded["metrics"]["tau"]
+    assert "lossless" not in replayed["metrics"] and decoded["metrics"]["lossless"] == 1.0
+
+
+@pytest.mark.slow
+def test_a_sweeps_jobs_share_the_traces(tmp_path, cache_dir, tiny_target):
+    """eval.replay=true as a sweep runs it: the first job computes the traces (eval prompts and a suite), the
+    second reuses them all, and each reports its own replayed tau."""
+    import json
+
+    from tests.conftest import launch
+
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text('{"turns": ["def f(x):", "again"]}\n{"prompt": "import os"}\n')
+    args = ["experiment=smoke", "eval.replay=true", f"eval.suites=[jsonl:{suite}]", "eval.max_new_tokens=12",
+            f"paths.cache_dir={tmp_path / 'cache'}", f"model.target={tiny_target}"]  # fmt: skip
+    taus = []
+    for seed in (0, 1):
+        run_dir = tmp_path / f"job{seed}"
+        proc = launch([*args, f"train.seed={seed}", f"hydra.run.dir={run_dir}"], cache_dir, check=True)
+        reused = "replay: 5 traces reused, 0 computed" if seed else "replay: 0 traces reused, 5 computed"
+        assert reused in proc.stdout + proc.stderr
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["eval/replay_ties"] == 0 and "eval/speedup" not in summary
+        bench = json.loads((run_dir / "benchmarks.json").read_text())
+        (result,) = bench["results"].values()
+        assert result["settings"]["replay"] is True and "lossless" not in result["metrics"]
+        taus.append(summary["eval/tau"])
+    assert len(list((tmp_path / "cache" / "replay").glob("*.safetensors"))) == 2 + 3  # 2 eval prompts, 3 turns
