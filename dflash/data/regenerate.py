@@ -1,5 +1,6 @@
 """The target's own continuations of stdlib prompts as training data (the paper regenerates responses with the
-target), cached in the cache dir keyed by the target's files and the settings."""
+target), cached in the cache dir keyed by the content of the target's files (not their path: a moved cache dir,
+DFLASH_CACHE_DIR, keeps it) and the settings. A stop request ends generation within a token step."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from dflash import interrupts
 from dflash.data.corpus import Document, read_text, stdlib_files
+from dflash.data.fingerprint import TOKENIZER_FILES, target_hashes
 from dflash.data.prompts import sample_prompts
 from dflash.model.generate import generate_continuations
 
@@ -27,12 +29,16 @@ def regenerate_documents(model, tokenizer, prompts: list[list[int]], regen_cfg, 
     docs: list[Document] = []
     torch.manual_seed(seed)
     bs = regen_cfg.batch_size
+    stop = interrupts.stop_event()
     eos = tokenizer.eos_token_id
     with display().phase("regenerate", len(prompts)) as phase:
         for i in range(0, len(prompts), bs):
             interrupts.check("data regeneration")
             batch = prompts[i : i + bs]
-            outs = generate_continuations(model, batch, regen_cfg.max_new_tokens, regen_cfg.temperature, [eos], eos)
+            outs = generate_continuations(
+                model, batch, regen_cfg.max_new_tokens, regen_cfg.temperature, [eos], eos, should_stop=stop.is_set
+            )
+            interrupts.check("data regeneration")  # a batch cut short by the stop request is not data
             for prompt, gen in zip(batch, outs):  # the EOS stays: the drafter should learn where text ends
                 docs.append(Document(prompt + gen, [False] * len(prompt) + [True] * len(gen)))
             phase.advance(len(batch), info="prompts continued by the target")
@@ -42,22 +48,16 @@ def regenerate_documents(model, tokenizer, prompts: list[list[int]], regen_cfg, 
 def regenerated_corpus(
     model, tokenizer, target_path: str, data_cfg, seed: int, cache_dir: str | None
 ) -> list[Document]:
-    """Regenerated documents, cached under cache_dir keyed by the target's files and the settings."""
+    """Regenerated documents, cached under cache_dir keyed by the target's files' content and the settings."""
     r = data_cfg.regenerate
     key_src = json.dumps(
         {
-            "target": str(Path(target_path).expanduser().resolve())
-            if Path(target_path).expanduser().exists()
-            else target_path,
-            "config": _file_fingerprint(Path(target_path) / "config.json"),
-            "weights": _file_fingerprint(Path(target_path) / "model.safetensors"),
+            # what the target is, not where: its weights and tokenizer hashed (a hub name: its cached revision)
+            "target": target_hashes(target_path, extra=TOKENIZER_FILES),
             # batch_size too: with temperature > 0 it changes the sampling stream
             "regen": {
                 k: getattr(r, k) for k in ("num_prompts", "prompt_len", "max_new_tokens", "temperature", "batch_size")
             },
-            "tokenizer": [
-                _file_fingerprint(Path(target_path) / f) for f in ("tokenizer.json", "tokenizer_config.json")
-            ],
             "holdout": data_cfg.holdout_fraction,
             "max_files": data_cfg.max_files,
             "seed": seed,
@@ -87,11 +87,3 @@ def regenerated_corpus(
         tmp.write_text(json.dumps([{"ids": d.ids, "mask": [int(m) for m in d.loss_mask]} for d in docs]))
         tmp.replace(cache)
     return docs
-
-
-def _file_fingerprint(path: Path) -> list | None:
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return [st.st_size, int(st.st_mtime)]
