@@ -483,6 +483,27 @@ def test_cli_on_run_dir(saved_drafter, tiny_dir, tmp_path):
     assert "eval/tau_baseline" not in data["metrics"]
 
 
+def test_cli_prompts_file_means_all_its_prompts(saved_drafter, tiny_dir, tmp_path):
+    """A run that evaluated 2 prompts, a file of 3: all 3 (the run's eval.num_prompts was for its own prompts);
+    --num-prompts still takes the first N."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(saved_drafter, run / "drafter")
+    (run / "config_resolved.yaml").write_text(
+        f"model:\n  target: {tiny_dir}\n"
+        "data:\n  name: stdlib\n  path: null\n  holdout_fraction: 0.05\n"
+        "eval:\n  num_prompts: 2\n  max_new_tokens: 4\n  prompt_len: 16\n  temperature: 0.0\n  prompts_file: null\n"
+    )
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt": t[:80]}) + "\n" for t in TEXTS[:3]))
+    args = [str(run), "--prompts-file", str(prompts_file), "--device", "cpu", "--no-baselines"]
+    assert main([*args, "--out", str(tmp_path / "all.json")]) == 0
+    assert json.loads((tmp_path / "all.json").read_text())["metrics"]["eval/num_prompts"] == 3
+    assert main([*args, "--num-prompts", "1", "--out", str(tmp_path / "one.json")]) == 0
+    assert json.loads((tmp_path / "one.json").read_text())["metrics"]["eval/num_prompts"] == 1
+
+
 def test_generation_result_decode_tokens():
     assert GenerationResult([1, 2, 3], [2], 1, 0.1).decode_tokens == 2
 

@@ -19,6 +19,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from dflash.config import DTYPE_NAMES, DataConfig, EvalConfig
+from dflash.data.prompts import read_prompts_file
 from dflash.evaluation.decoding import module_dtype
 from dflash.evaluation.evaluator import choose_prompts, evaluate, untrained_like
 from dflash.model.drafter import DFlashDraftModel
@@ -107,6 +108,10 @@ def _load_prompts(args, inputs: _Inputs, tokenizer) -> list[list[int]]:
         log.info("prompts: the %d recorded in the run's eval.json, with its settings", len(recorded))
         inputs.replay = True
         return [list(map(int, p)) for p in recorded]
+    if args.prompts_file and args.num_prompts is None:  # a prompts file means its prompts, all of them
+        prompts = read_prompts_file(args.prompts_file, tokenizer)
+        log.info("prompts: all %d of %s (--num-prompts N takes the first N)", len(prompts), args.prompts_file)
+        return prompts
     run_cfg = inputs.run_cfg
     eval_cfg = OmegaConf.structured(
         EvalConfig(
@@ -135,7 +140,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="target model path or hub name (default: the run's model.target or the drafter config's dflash_target)",
     )
     ap.add_argument("--prompts-file", help='.jsonl with {"prompt": ...} per line, or plain text one per line')
-    ap.add_argument("--num-prompts", type=int)
+    ap.add_argument("--num-prompts", type=int, help="default: all of --prompts-file's, else the run's eval.num_prompts")
     ap.add_argument("--prompt-len", type=int, help="tokens per held-out prompt (when no prompts file)")
     ap.add_argument("--max-new-tokens", type=int)
     ap.add_argument("--temperature", type=float)
