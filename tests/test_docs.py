@@ -235,3 +235,32 @@ def test_every_documented_launch_command_composes():
             except Exception as e:  # noqa: BLE001 - every failure is reported, with its doc
                 failures.append(f"{where}: launch.py {' '.join(args)}: {type(e).__name__}: {e}")
     assert not failures, "\n".join(failures)
+
+
+def _listed_groups(doc: Path) -> dict[str, set[str] | None]:
+    """The doc's 'Groups (`conf/`): `group` (option, ...), ...' paragraph: each group with the options it lists
+    (None where it lists none)."""
+    text = doc.read_text()
+    start = text.index("Groups (`conf/`)")
+    paragraph = " ".join(text[start : text.index("\n\n", start)].split())
+    listed = {}
+    for group, options in re.findall(r"`([a-z_/]+)`(?: \(([^)]*)\))?", paragraph):
+        names = {o.strip() for o in options.split(",")} if options else set()
+        listed.setdefault(group, {n for n in names if re.fullmatch(r"\w+", n)} or None)
+    return listed
+
+
+@pytest.mark.parametrize("doc,skipped", [("README.md", {"debug", "hydra"}), ("docs/training.md", set())])
+def test_config_group_lists_name_every_group_and_option(doc, skipped):
+    """README's and training.md's lists of config groups against conf/: every group (README: those a user
+    chooses, not debug or the hydra presets), and where options are listed, exactly conf/'s."""
+    conf = REPO / "conf"
+    groups = {
+        str(d.relative_to(conf)): {f.stem for f in d.glob("*.yaml")}
+        for d in sorted(conf.rglob("*"))
+        if d.is_dir() and any(d.glob("*.yaml")) and d.relative_to(conf).parts[0] not in skipped
+    }
+    listed = _listed_groups(REPO / doc)
+    assert sorted(set(groups) - set(listed)) == [], f"{doc} does not list these conf/ groups"
+    wrong = {g: (sorted(listed[g]), sorted(opts)) for g, opts in groups.items() if listed[g] not in (None, opts)}
+    assert not wrong, f"{doc}: listed options vs conf/'s: {wrong}"
