@@ -331,3 +331,12 @@ def test_a_result_is_of_one_drafter_and_recomputed_when_its_weights_change(
     assert again["drafter"] == runner.drafter_identity(copy.deepcopy(trained), 8)  # of the weights, not the object
     on_disk = json.loads((tmp_path / "run" / "benchmarks.json").read_text())
     assert on_disk["results"][f"jsonl:{suite}@T0"]["drafter"]["step"] == 8
+
+
+def test_the_bench_line_names_which_prompt_lookup_figure_it_shows():
+    """The eval line's prompt lookup is pooled over cycles, the bench line's z-lab's mean over generations (as
+    its tau): two figures of one run, so each line says which it shows."""
+    from dflash.evaluation.benchmark import _summary
+
+    metrics = {"tau": 4.7, "tau_pooled": 4.24, "speedup": 1.5, "tau_lookup": 3.5, "num_prompts": 20.0}
+    assert "prompt lookup 3.500 (z-lab's mean, as tau)" in _summary(metrics)

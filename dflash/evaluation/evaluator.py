@@ -201,7 +201,7 @@ def evaluate(
         _stop_ids(eos_id),
     )
     log.info(
-        "eval: tau %.3f (prompt lookup %s, untrained %s), speedup %.2fx over %d prompts",
+        "eval: tau %.3f, prompt lookup %s (both pooled over cycles), untrained %s, speedup %.2fx over %d prompts",
         metrics["eval/tau"],
         _fmt(metrics.get("eval/tau_baseline")),
         _fmt(metrics.get("eval/tau_untrained")),
