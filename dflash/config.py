@@ -237,11 +237,20 @@ class TrainConfig:
     seq_len: int = 256
     num_anchors: int = 32
     seed: int = 0
+    # the data order's seed (and so what a feature store holds); null = train.seed. Fix it to train several seeds
+    # (drafter init, anchors, noise) from one feature store: `-m train.seed=0,1,2 train.data_seed=0`
+    data_seed: int | None = None
     grad_clip: float = 1.0
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     max_bad_steps: int = 10
     deterministic: bool = False  # deterministic algorithms and one CPU thread per stage (dflash/determinism.py)
+
+
+def data_seed(train) -> int:
+    """The seed of the data order: train.data_seed, else train.seed."""
+    seed = getattr(train, "data_seed", None)
+    return train.seed if seed is None else seed
 
 
 @dataclass

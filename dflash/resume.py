@@ -28,6 +28,7 @@ _FROZEN_ON_RESUME = {
     "train.batch_size": _DATA_STREAM,
     "train.seq_len": _DATA_STREAM,
     "train.seed": "would change the data order and per-step randomness of",
+    "train.data_seed": _DATA_STREAM,
 }
 
 

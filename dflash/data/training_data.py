@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dflash.config import data_seed
 from dflash.data.batches import PackedBatches, pack
 from dflash.data.buckets import BucketedBatches
 from dflash.data.chat_dataset import ChatData, load_chat_data
@@ -42,7 +43,7 @@ def build_training_data(
     if data_cfg.name == "jsonl":
         return _jsonl_data(data_cfg, train_cfg, tokenizer, target_path, cache_dir, fingerprint)
     if data_cfg.regenerate.enabled:
-        docs = regenerated_corpus(target_model, tokenizer, target_path, data_cfg, train_cfg.seed, cache_dir)
+        docs = regenerated_corpus(target_model, tokenizer, target_path, data_cfg, data_seed(train_cfg), cache_dir)
     else:
         docs = stdlib_documents(tokenizer, "train", data_cfg.holdout_fraction, data_cfg.max_files)
     if not docs:
@@ -56,7 +57,9 @@ def build_training_data(
         100 * mask.float().mean().item(),
     )
     min_sup = data_cfg.min_supervised_tokens or 2 * block_size
-    return TrainingData(PackedBatches(ids, mask, train_cfg.seq_len, train_cfg.batch_size, train_cfg.seed, min_sup))
+    return TrainingData(
+        PackedBatches(ids, mask, train_cfg.seq_len, train_cfg.batch_size, data_seed(train_cfg), min_sup)
+    )
 
 
 def run_training_data(cfg, tokenizer, target_model, fingerprint: dict | None) -> TrainingData:
@@ -107,7 +110,7 @@ def _jsonl_data(data_cfg, train_cfg, tokenizer, target_path, cache_dir, fingerpr
         rows.lengths,
         seq_len,
         train_cfg.batch_size,
-        train_cfg.seed,
+        data_seed(train_cfg),
         _pad_id(tokenizer),
         pad_to_multiple_of=data_cfg.pad_to_multiple_of,
     )

@@ -297,6 +297,7 @@ def manifest_for(cfg, layer_ids: list[int], data_fingerprint: dict | None) -> di
     """What a run's features are of: the store it may read must say the same (num_batches aside)."""
     from omegaconf import OmegaConf
 
+    from dflash.config import data_seed
     from dflash.data.chat_dataset import RENDER_VERSION
     from dflash.data.fingerprint import TOKENIZER_FILES, hashed_files, hub_entry, target_hashes
     from dflash.model.target import TARGET_ATTENTION
@@ -313,7 +314,7 @@ def manifest_for(cfg, layer_ids: list[int], data_fingerprint: dict | None) -> di
         "features.dtype": cfg.features.dtype,
         "train.seq_len": cfg.train.seq_len,
         "train.batch_size": cfg.train.batch_size,
-        "train.seed": cfg.train.seed,
+        "train.data_seed": data_seed(cfg.train),  # the data order (train.seed unless set): not the drafter's seed
         "data": OmegaConf.to_container(cfg.data, resolve=True),
         "data_fingerprint": data_fingerprint,
         "tokenizer": tokenizer,  # also inside the data fingerprint; here on its own so a refusal names it
