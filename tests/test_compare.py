@@ -239,6 +239,7 @@ def test_group_by_key_and_sort_by_mean(sweep_dir: Path, seeds_dir: Path, capsys:
     assert got[1.0]["eval/tau mean"] == pytest.approx(2.3)  # (2.0 + 2.6) / 2
     assert got[2.0]["eval/tau mean"] == pytest.approx(2.3) and got[2.0]["eval/tau std"] is None  # one value
     assert got[2.0]["status"] == "completed:1 failed:1"
+    assert got[2.0]["n"] == 1 and got[1.0]["n"] == 2  # n: the values the mean is over, not the failed run
 
     recs = json.loads(_cli(capsys, str(seeds_dir), "--format", "json", "--group-by", "auto", "--sort", "eval/tau"))
     assert [r["eval/tau mean"] for r in recs] == pytest.approx([3.5, 2.5])

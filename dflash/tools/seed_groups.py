@@ -191,8 +191,9 @@ def group_table(
     the 95% t interval over the group's runs), for the first metric `vs best`, `Δ best` and `Δ ci95`
     (`versus_best`, paired by `pair_key`), statuses.
 
-    Means and stds are over the runs that have a finite value; the status column shows what the group holds
-    (e.g. `completed:2 failed:1`), filter with `status==completed` to average finished runs only.
+    Means and stds are over the runs that have a finite value, and n counts those of the first metric (what its
+    mean and interval are over: a failed run without a value is not in n); the status column shows what the
+    group holds (e.g. `completed:2 failed:1`), filter with `status==completed` to average finished runs only.
     """
     keys = list(groups[0].key) if groups else []
     show_seed = seed_key is not None and seed_key not in keys
@@ -208,7 +209,7 @@ def group_table(
         if show_seed:
             seeds = [r.config.get(seed_key) for r in g.runs]
             row.append(",".join(as_text(s) for s in seeds if s is not None) or None)
-        row.append(len(g.runs))
+        row.append(len(_numbers(g, metrics[0])) if metrics else len(g.runs))
         for m in metrics:
             row += [group_mean(g, m), group_std(g, m), group_ci95(g, m)]
         if metrics:
