@@ -86,6 +86,11 @@ def _bench_bars(ax, runs: Sequence[Run]) -> None:
     ax.set_ylabel("tau (z-lab's mean over prompts)")
 
 
+def _series(ax, xs, ys, style: str, **kwargs) -> None:
+    """A line; a series of one point (a run stopped after its first record) gets a marker, or it draws nothing."""
+    ax.plot(xs, ys, style, marker="o" if len(xs) == 1 else None, **kwargs)
+
+
 def figure(runs: Sequence[Run]):
     """The report's matplotlib Figure for these runs (one colour per run)."""
     import matplotlib
@@ -105,7 +110,7 @@ def figure(runs: Sequence[Run]):
             xs, ys = run.history(metric)
             pts = [(x, y) for x, y in zip(xs, ys) if y > 0]  # a log axis shows positive values only
             if pts:
-                loss.plot(*zip(*pts), style, color=colour, label=f"{name} {metric.removeprefix('train/')}")
+                _series(loss, *zip(*pts), style, color=colour, label=f"{name} {metric.removeprefix('train/')}")
         xs, ys = run.history("eval/tau")
         if xs:
             tau.plot(xs, ys, "o-", color=colour, label=f"{name} DFlash")
@@ -117,11 +122,12 @@ def figure(runs: Sequence[Run]):
                 tau.axhline(run.metrics[key], linestyle=style, color=colour, label=f"{name} {what}")
         xs, ys = run.history("perf/ktok_s", x="time_s")
         if xs:
-            speed.plot(xs, ys, color=colour, label=name)
+            _series(speed, xs, ys, "-", color=colour, label=name)
         for metric, style in (("perf/target_queue_depth", "-"), ("perf/hs_queue_depth", "--")):
             xs, ys = run.history(metric, x="time_s")
             if xs:
-                queues.plot(xs, ys, style, color=colour, label=f"{name} {metric.split('/')[1].removesuffix('_depth')}")
+                label = f"{name} {metric.split('/')[1].removesuffix('_depth')}"
+                _series(queues, xs, ys, style, color=colour, label=label)
     loss.set_yscale("log")
     loss.set_xlabel("step")
     tau.set_xlabel("step")
