@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import tempfile
 import time
 from pathlib import Path
@@ -151,11 +152,17 @@ def bench(args: list[str]) -> None:
     from dflash.model.build import build_drafter_config
     from dflash.model.drafter import DFlashDraftModel
     from dflash.model.target import TargetModel
+    from dflash.terminal import display, install_logging
     from dflash.tools.bench.options import parse_opts
     from dflash.train.pipeline import Pipeline
     from dflash.train.trainer import DrafterTrainer, TargetForward
 
     opts = parse_opts(args, DEFAULTS)
+    # each phase is a row on a terminal, else a line at its start and its end with what it measured: a run takes
+    # minutes, and the table comes at the end (the rows advance between timed pieces, never inside them)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    install_logging()
+    phase = display().phase
     if opts["device"] == "auto":
         opts["device"] = "cuda" if torch.cuda.is_available() else "cpu"
     device = resolve_device(opts["device"])
@@ -169,11 +176,12 @@ def bench(args: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         target_dir = Path(tmp) / "target"
         shape = SHAPES[opts["size"]]
-        Qwen3ForCausalLM(Qwen3Config(**shape, tie_word_embeddings=True, max_position_embeddings=4096)).save_pretrained(
-            target_dir
-        )
-        cfg = _config(opts, target_dir, 1)
-        target = TargetModel.load(str(target_dir), [1, 3], cfg.model.dtype, cfg.model.device)
+        with phase("build target", 1) as p:
+            config = Qwen3Config(**shape, tie_word_embeddings=True, max_position_embeddings=4096)
+            Qwen3ForCausalLM(config).save_pretrained(target_dir)
+            cfg = _config(opts, target_dir, 1)
+            target = TargetModel.load(str(target_dir), [1, 3], cfg.model.dtype, cfg.model.device)
+            p.advance(info=f"size={opts['size']}, random weights saved and loaded")
         vocab = shape["vocab_size"]
         g = torch.Generator().manual_seed(0)
         batches = [
@@ -187,8 +195,10 @@ def bench(args: list[str]) -> None:
             for i in range(steps + warmup)
         ]
         target_step = TargetForward(target, device)
-        target_tok_s, target_s = _throughput(target_step, batches, warmup)
-        items = [target_step(b) for b in batches]
+        with phase("target stand-alone", 1) as p:
+            target_tok_s, target_s = _throughput(target_step, batches, warmup)
+            items = [target_step(b) for b in batches]
+            p.advance(info=f"{target_tok_s / 1000:.2f} ktok/s")
 
         drafter0 = DFlashDraftModel(build_drafter_config(target.model.config, cfg.model, [1, 3], 1)).to(
             device=device, dtype=target.dtype
@@ -200,19 +210,31 @@ def bench(args: list[str]) -> None:
 
         if opts["num_anchors"] == "auto":  # balance: the anchors whose drafter step takes about the target's time
             best = None
-            for n in (4, 8, 16, 24, 32, 48, 64, 96, 128):
-                if n * int(opts["block_size"]) > seq * 2:
-                    break
-                _, s = _throughput(make_trainer(n).train_on, items[: warmup + 4], warmup)
-                if best is None or abs(s - target_s) < abs(best[1] - target_s):
-                    best = (n, s)
+            candidates = [n for n in (4, 8, 16, 24, 32, 48, 64, 96, 128) if n * int(opts["block_size"]) <= seq * 2]
+            with phase("balance anchors", len(candidates)) as p:
+                for n in candidates:
+                    _, s = _throughput(make_trainer(n).train_on, items[: warmup + 4], warmup)
+                    if best is None or abs(s - target_s) < abs(best[1] - target_s):
+                        best = (n, s)
+                    p.advance(info=f"{n} anchors: {s * 1e3:.0f} ms/step (target {target_s * 1e3:.0f})")
+                p.info = f"{best[0]} anchors/seq: {best[1] * 1e3:.0f} ms/step (target {target_s * 1e3:.0f})"
             num_anchors = best[0]
         else:
             num_anchors = int(opts["num_anchors"])
-        drafter_tok_s, drafter_step_s = _throughput(make_trainer(num_anchors).train_on, items, warmup)
-        step_flops = drafter_step_flops(make_trainer(num_anchors), items[0])
+        with phase("drafter stand-alone", 1) as p:
+            drafter_tok_s, drafter_step_s = _throughput(make_trainer(num_anchors).train_on, items, warmup)
+            p.advance(info=f"{drafter_tok_s / 1000:.2f} ktok/s, {num_anchors} anchors/seq")
+        with phase("count FLOPs", 1) as p:
+            step_flops = drafter_step_flops(make_trainer(num_anchors), items[0])
+            p.advance(info=f"{step_flops / 1e9:.2f} GFLOP per drafter step")
 
         def run_pipeline(mode: str, stage_threads: int) -> tuple[float, dict]:
+            with phase(f"{mode} pipeline ({stage_threads} thread{'s' * (stage_threads > 1)})", 1) as p:
+                tok_s, stats = _pipeline(mode, stage_threads)
+                p.advance(info=f"{tok_s / 1000:.2f} ktok/s")
+            return tok_s, stats
+
+        def _pipeline(mode: str, stage_threads: int) -> tuple[float, dict]:
             trainer = make_trainer(num_anchors)
             for it in items[:warmup]:
                 trainer.train_on(it)
@@ -234,6 +256,7 @@ def bench(args: list[str]) -> None:
         sync_all_tok_s = None
         if device.type == "cpu" and cores > threads:
             sync_all_tok_s, _ = run_pipeline("sync", cores)
+    display().stop()  # the live rows end before the table
 
     params = sum(p.numel() for p in target.parameters()) / 1e6
     print(
