@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
+from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
+
 from dflash.config import ConfigError
 
 PRINT_ONLY = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc")
@@ -35,7 +37,16 @@ def check_launch(argv: list[str], config_dir: Path) -> None:
     cfg = _compose(args, config_dir)
     if cfg is None or cfg.get("resume"):
         return
-    if not any(a in MULTIRUN for a in args):  # a sweep's jobs may differ in what validate() checks
+    try:
+        _check_config(cfg, multirun=any(a in MULTIRUN for a in args))
+    except InterpolationResolutionError as e:  # e.g. ${oc.env:DATA} with DATA unset
+        raise LaunchRefused(f"{e.full_key}: {str(e).splitlines()[0]}") from None
+    except OmegaConfBaseException:  # anything else Hydra's own run reports as it does
+        return
+
+
+def _check_config(cfg, multirun: bool) -> None:
+    if not multirun:  # a sweep's jobs may differ in what validate() checks
         try:
             from dflash.validation import validate
 

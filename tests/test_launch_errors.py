@@ -44,6 +44,7 @@ def _one_error_line(proc: subprocess.CompletedProcess) -> str:
         (["train.num_anchors=0"], ["train.num_anchors=0 is invalid"]),
         (["model=tiny", "model.build.kind=none", "model.target=/nonexistent/model"], ["/nonexistent/model"]),
         (["-m", "hydra/launcher=slurm_ddp"], ["sbatch", "hydra/launcher=local_ddp"]),
+        (["data=jsonl", "data.path=${oc.env:DFLASH_UNSET_FOR_TEST}"], ["data.path:", "DFLASH_UNSET_FOR_TEST"]),
     ],
 )
 def test_mistakes_are_one_line_before_a_run_directory(tmp_path, cache_dir, args, needles):
