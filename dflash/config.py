@@ -29,6 +29,8 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # Allowed values: the one home of each list. validate() checks against them; the modules that dispatch on
 # them and the CLIs import them from here.
 LOSS_NAMES = ("ce_decay", "kl", "kl_streak", "dpace")
+DRAFTER_NAMES = ("dflash", "dspark")  # dflash/model/families/
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 SCHEDULE_NAMES = ("cosine", "constant", "wsd")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 ATTENTION_NAMES = ("auto", "sdpa", "flex")
@@ -60,6 +62,17 @@ READ_ONLY_BY = {
 }
 # ... and read only while another key is not at a value: the temperature scales the KL term, which kl_weight 0 drops
 UNREAD_WHILE = {"loss.kl_temperature": ("loss.kl_weight", 0.0)}
+# the drafter families (dflash/model/families/): a family's own keys are read by that family only
+OPTION_KEYS["drafter"] = "drafter.name"
+READ_ONLY_BY.update(
+    {
+        "drafter.sample_from_anchor": ("dspark",),
+        "drafter.markov_rank": ("dspark",),
+        "drafter.markov_head_type": ("dspark",),
+        "drafter.confidence_head": ("dspark",),
+        "drafter.confidence_head_with_markov": ("dspark",),
+    }
+)
 
 # z-lab's per-block-size default for the position decay (paper App. A.1); other sizes interpolate.
 DEFAULT_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -127,6 +140,30 @@ class LossConfig:
     streak_alpha: float = 0.0  # kl_streak's mix of the streak multiplier (0.5 there); 0 = plain decay
     dpace_alpha: float = 0.5  # dpace's confidence smoothing q~ = (1 - alpha) q + alpha (the peers' default)
     chunk_size: int = 256  # positions per fused LM-head + loss chunk
+    # DSpark's terms beside the above (drafter=dspark; model/families/dspark_loss.py): the total variation between
+    # the draft's and the target's distributions (1 - the rejection-sampling acceptance rate), weighted like CE
+    tv_weight: float = 0.0
+    # the confidence head's BCE against that acceptance rate, decay-weighted; null = 1.0 where the drafter has a
+    # confidence head (a value without one is refused)
+    confidence_weight: float | None = None
+
+
+@dataclass
+class DrafterConfig:
+    """The drafter family (dflash/model/families/), on the DFlash backbone that model.* shapes. `dflash`: z-lab's
+    drafter. `dspark` (arXiv 2607.05147; speculators' DSparkSpeculatorConfig): a low-rank Markov logit bias (each
+    drafted position conditions on the token before it in the block, chosen sequentially at decoding) and a
+    confidence head (each position's acceptance probability)."""
+
+    name: str = "dflash"  # dflash | dspark
+    # dspark: the anchor's slot predicts too (speculators' sample_from_anchor), so a forward of model.block_size - 1
+    # slots [anchor, MASK...] drafts the model.block_size - 1 tokens a cycle verifies; false: DFlash's block of
+    # model.block_size slots whose anchor slot predicts nothing
+    sample_from_anchor: bool = True
+    markov_rank: int = 256  # dspark: rank of the bias W2 @ W1[previous token]; 0 = no Markov head
+    markov_head_type: str = "vanilla"  # dspark: vanilla | gated (gate from the hidden state) | rnn (state over the block)
+    confidence_head: bool = True  # dspark: predict each drafted position's acceptance probability
+    confidence_head_with_markov: bool = True  # dspark: the confidence head reads [hidden; W1[previous token]]
 
 
 @dataclass
@@ -314,6 +351,7 @@ class PathsConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -20,6 +20,7 @@ from dflash.evaluation.evaluator import Evaluator
 from dflash.feature_build import build_store, check_long_enough
 from dflash.machine import slow_cpu_dtype
 from dflash.model.build import build_drafter_config, init_drafter, resolve_mask_token_id
+from dflash.model.families import configure_family
 from dflash.model.target import DTYPES, TargetHeads, TargetModel
 from dflash.resume import check_data_unchanged
 from dflash.rundir import RunDir
@@ -109,6 +110,7 @@ def build_job(
         check_long_enough(store, cfg)  # and one shorter than the run (it would end the run early)
 
     drafter_config = build_drafter_config(files.config, cfg.model, files.layer_ids, mask_id)
+    configure_family(drafter_config, cfg.drafter)  # drafter=: the family's class and settings
     drafter = init_drafter(drafter_config, cfg.train.seed, device, DTYPES[cfg.model.dtype])
     log.info(
         "drafter: %d layers, %.2fM trainable params, block %d, mask id %d",

@@ -14,8 +14,10 @@ from dflash.config import (
     BAD_RECORD_POLICIES,
     BUILD_KINDS,
     DATA_NAMES,
+    DRAFTER_NAMES,
     DTYPE_NAMES,
     LOSS_NAMES,
+    MARKOV_HEAD_TYPES,
     PARALLEL_NAMES,
     PIPELINE_MODES,
     SCHEDULE_NAMES,
@@ -100,6 +102,7 @@ def validate(cfg: DictConfig | Config) -> None:
     _check(0.0 <= lo.streak_alpha <= 1.0, "loss.streak_alpha", lo.streak_alpha, "must be in [0, 1] (0 = decay only)")
     _check(0.0 <= lo.dpace_alpha <= 1.0, "loss.dpace_alpha", lo.dpace_alpha, "must be in [0, 1]")
     _check(lo.chunk_size >= 1, "loss.chunk_size", lo.chunk_size, "must be >= 1")
+    _validate_drafter(c)
 
     s = c.schedule
     _one_of("schedule.name", s.name, SCHEDULE_NAMES)
@@ -216,6 +219,44 @@ def validate(cfg: DictConfig | Config) -> None:
     )
     _one_of("features.dtype", c.features.dtype, ("float32", "bfloat16", "fp8"))
     _check(c.features.shard_batches >= 1, "features.shard_batches", c.features.shard_batches, "must be >= 1")
+
+
+def _validate_drafter(c) -> None:
+    """The drafter family's keys, and the loss terms that need a family's module (DSpark's TV and confidence BCE)."""
+    d, lo = c.drafter, c.loss
+    _one_of("drafter.name", d.name, DRAFTER_NAMES)
+    _check(d.markov_rank >= 0, "drafter.markov_rank", d.markov_rank, "must be >= 0 (0 = no Markov head)")
+    _one_of("drafter.markov_head_type", d.markov_head_type, MARKOV_HEAD_TYPES)
+    _check(lo.tv_weight >= 0, "loss.tv_weight", lo.tv_weight, "must be >= 0")
+    _check(
+        lo.tv_weight == 0 or d.name == "dspark",
+        "loss.tv_weight",
+        lo.tv_weight,
+        f"the total-variation term is DSpark's: it needs drafter=dspark (drafter={d.name}'s fused loss has none)",
+    )
+    has_confidence = d.name == "dspark" and d.confidence_head
+    if lo.confidence_weight is not None:
+        _check(lo.confidence_weight >= 0, "loss.confidence_weight", lo.confidence_weight, "must be >= 0 (or null)")
+        _check(
+            has_confidence,
+            "loss.confidence_weight",
+            lo.confidence_weight,
+            f"drafter={d.name} has no confidence head to train: use drafter=dspark with drafter.confidence_head=true,"
+            " or leave it null",
+        )
+    if d.name == "dspark":
+        _check(
+            not (d.confidence_head and d.confidence_head_with_markov and d.markov_rank == 0),
+            "drafter.confidence_head_with_markov",
+            d.confidence_head_with_markov,
+            "needs a Markov head (drafter.markov_rank > 0), or set it false",
+        )
+        _check(
+            c.parallel.name != "fsdp",
+            "parallel.name",
+            c.parallel.name,
+            "drafter=dspark's heads run beside the drafter's forward, outside FSDP's sharded forward: use ddp",
+        )
 
 
 def _optional_at_least(key: str, value: Any, low: int) -> None:

@@ -49,10 +49,10 @@ def test_each_option_reads_the_keys_the_table_says(overrides, unread):
 
 
 def test_the_table_names_real_keys_and_options():
-    from dflash.config import LOSS_NAMES, PIPELINE_MODES, SCHEDULE_NAMES
+    from dflash.config import DRAFTER_NAMES, LOSS_NAMES, PIPELINE_MODES, SCHEDULE_NAMES
 
     cfg = compose_config([])
-    names = {"loss": LOSS_NAMES, "schedule": SCHEDULE_NAMES, "pipeline": PIPELINE_MODES}
+    names = {"loss": LOSS_NAMES, "schedule": SCHEDULE_NAMES, "pipeline": PIPELINE_MODES, "drafter": DRAFTER_NAMES}
     for key, readers in READ_ONLY_BY.items():
         group = key.split(".")[0]
         assert key.split(".")[1] in cfg[group] and set(readers) < set(names[group]), key

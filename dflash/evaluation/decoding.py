@@ -55,6 +55,8 @@ class GenerationResult:
     cycles: int
     decode_time_s: float
     prefill_time_s: float = 0.0
+    # a proposer with a confidence head (DSpark): per cycle, each draft's predicted acceptance probability
+    confidences: list[list[float]] | None = None
 
     @property
     def decode_tokens(self) -> int:
@@ -224,10 +226,20 @@ class DFlashProposer:
         self.cache = DraftKVCache()
         self.ctx_len = 0  # context positions whose K/V are in the drafter cache
         self.device, self.dtype = module_device(drafter), module_dtype(drafter)
+        # a drafter family with a confidence head (DSpark): per cycle, its drafts' predicted acceptance
+        self.confidences: list[list[float]] | None = [] if getattr(drafter, "confidence_head", None) else None
 
     @torch.no_grad()
     def draft_logits(self, seq: list[int], new_features: torch.Tensor, num_draft: int) -> torch.Tensor:
         """Logits (num_draft, V) of the drafted slots 1..num_draft of the block anchored at seq[-1]."""
+        out = self.block_hidden(seq, new_features, num_draft + 1)
+        head_w = self.lm_head.weight
+        return self.lm_head(out[1:].to(head_w.device, head_w.dtype))
+
+    @torch.no_grad()
+    def block_hidden(self, seq: list[int], new_features: torch.Tensor, slots: int) -> torch.Tensor:
+        """The drafter's output (slots, H) for the block [seq[-1], MASK x (slots - 1)] at the anchor's position."""
+        num_draft = slots - 1
         start = len(seq) - 1  # absolute position of the anchor
         n_new = new_features.shape[1]
         if self.ctx_len + n_new != start:
@@ -243,13 +255,19 @@ class DFlashProposer:
         )  # (1, B, H)
         crop_cache(self.cache, start)  # drop the block's K/V, keep the context
         self.ctx_len = start
-        head_w = self.lm_head.weight
-        return self.lm_head(out[0, 1:].to(head_w.device, head_w.dtype))
+        return out[0]
 
     def propose(self, seq: list[int], new_features: torch.Tensor | None, num_draft: int) -> list[int]:
         if new_features is None:
             raise RuntimeError("DFlashProposer needs context features from the verify loop")
-        return self.draft_logits(seq, new_features, num_draft).argmax(dim=-1).tolist()
+        choose = getattr(self.drafter, "choose_drafts", None)  # a family's own proposal rule (model/families/)
+        if choose is None:
+            return self.draft_logits(seq, new_features, num_draft).argmax(dim=-1).tolist()
+        hidden = self.block_hidden(seq, new_features, self.drafter.slots_for(num_draft))
+        drafts, confidences = choose(hidden, self.lm_head, seq[-1])
+        if self.confidences is not None:
+            self.confidences.append(confidences)
+        return drafts
 
 
 @torch.no_grad()
@@ -331,7 +349,8 @@ def verify_generate(
             break
     _sync(device)
     t2 = time.perf_counter()
-    return GenerationResult(new[:max_new_tokens], accept_lengths, len(accept_lengths), t2 - t1, t1 - t0)
+    confidences = getattr(proposer, "confidences", None)  # one list per cycle, from a confidence head
+    return GenerationResult(new[:max_new_tokens], accept_lengths, len(accept_lengths), t2 - t1, t1 - t0, confidences)
 
 
 def speculative_generate(

@@ -19,6 +19,7 @@ from dflash import interrupts
 from dflash.data.chat_dataset import ChatData
 from dflash.data.prompts import heldout_prompts, read_prompts_file
 from dflash.distributed import World
+from dflash.evaluation.calibration import confidence_calibration
 from dflash.evaluation.decoding import (
     EosIds,
     GenerationResult,
@@ -33,6 +34,7 @@ from dflash.evaluation.replay import TraceCache, replay_evaluate, target_identit
 from dflash.evaluation.sim_tau import sim_tau_metrics
 from dflash.model.build import init_drafter
 from dflash.model.drafter import DFlashDraftModel
+from dflash.model.families import family_name
 from dflash.repetition import degenerate_share, is_degenerate
 from dflash.rundir import RunDir
 from dflash.terminal import display
@@ -158,7 +160,9 @@ def evaluate(
             target_only, dflash = results["target only"], results["dflash"]
             lookup, untrained = results["prompt lookup"], results["untrained"]
             estimates = {}
-            if sim_tau:  # after the timed runs: the same prompts, the target's own continuations of them
+            # after the timed runs: the same prompts, the target's own continuations of them. Their blocks are
+            # DFlash's (argmax per slot), so a family with another proposal rule (DSpark's Markov head) has none
+            if sim_tau and family_name(drafter.config) == "dflash":
                 estimates = sim_tau_metrics(model, drafter, prompts, [r.tokens for r in target_only], block_size)
     finally:
         for d, mode in zip(drafters, modes):
@@ -167,6 +171,8 @@ def evaluate(
     stats = acceptance_stats([r.accept_lengths for r in dflash], block_size)
     metrics: dict[str, Any] = {f"eval/{k}": v for k, v in stats.items()}
     metrics.update(estimates)
+    if any(r.confidences is not None for r in dflash):  # a confidence head (DSpark): predicted vs observed
+        metrics.update(confidence_calibration([r.confidences for r in dflash], [r.accept_lengths for r in dflash]))
     tok_s, tok_s_target = _tok_s(dflash), _tok_s(target_only)
     metrics["eval/tok_s"] = tok_s
     metrics["eval/tok_s_target_only"] = tok_s_target

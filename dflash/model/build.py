@@ -10,6 +10,7 @@ import torch
 
 from dflash.config import ConfigError
 from dflash.model.drafter import DFlashDraftModel
+from dflash.model.families import drafter_class
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def init_drafter(
     was), so the same config and seed give the same weights wherever they are built."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        drafter = DFlashDraftModel(config)
+        drafter = drafter_class(config)(config)  # the family's class (model/families/)
     return drafter.to(device=device, dtype=dtype)
 
 

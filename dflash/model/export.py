@@ -19,6 +19,8 @@ import torch
 
 from dflash.disk import remove_partial
 from dflash.model.drafter import DFlashDraftModel
+from dflash.model.families import family_name
+from dflash.model.families.speculators_layout import is_speculators_dir, load_speculators, write_speculators
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +30,8 @@ DRAFTER_SOURCE = Path(__file__).with_name("drafter.py")
 def export_drafter(
     drafter: DFlashDraftModel, out_dir: Path, dtype: torch.dtype | None = None, target: str | None = None
 ) -> Path:
-    """Write the drafter in z-lab's layout to out_dir (replaced atomically)."""
+    """Write the drafter to out_dir (replaced atomically): z-lab's layout, or speculators' for a family it defines
+    beside DFlash (DSpark: model/families/speculators_layout.py)."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -38,7 +41,11 @@ def export_drafter(
 
         model = copy.deepcopy(drafter).to(dtype)
     try:
-        _write(model, drafter, tmp, target)
+        if family_name(drafter.config) == "dflash":
+            _write(model, drafter, tmp, target)
+        else:
+            tmp.mkdir(parents=True)
+            write_speculators(drafter, tmp, verifier=target, dtype=dtype)
     except BaseException:
         remove_partial(tmp)  # a full disk leaves no half export behind
         raise
@@ -107,6 +114,10 @@ def load_drafter(path: str | Path, **expect) -> DFlashDraftModel:
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: not a drafter directory (no config.json)")
+    if is_speculators_dir(path):
+        drafter = load_speculators(path)
+        check_drafter_against(drafter.config, **expect)
+        return drafter
     config = AutoConfig.from_pretrained(path)
     check_drafter_against(config, **expect)
     return DFlashDraftModel.from_pretrained(path)

@@ -23,7 +23,7 @@ per chunk, and its KL is computed only when the loss uses it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,9 @@ class LossOutput:
     valid: torch.Tensor
     weight_sum: torch.Tensor
     target_correct: torch.Tensor | None = None
+    # a family's further detached terms by metric name (DSpark: train/loss_tv, train/loss_confidence), each already
+    # divided by the global denominator like loss_ce, so ranks sum them
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -16,14 +16,15 @@ import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from dflash.data.batches import Batch
 from dflash.distributed import World
 from dflash.machine import peak_rss_mb
-from dflash.model.blocks import build_training_blocks, gather_positions, sample_anchors
-from dflash.model.losses import dflash_loss
+from dflash.model.blocks import gather_positions, sample_anchors
+from dflash.model.families import drafted_hidden, family_loss, training_blocks
 from dflash.train.block_metrics import BlockMetricsAccumulator
 from dflash.train.schedules import add_feature_noise, lr_at, noise_std_at
 
@@ -183,6 +184,7 @@ class DrafterTrainer:
         )
         self.lm_head_weight = target.lm_head.weight  # frozen, shared with the target
         self._target_mb = sum(p.numel() * p.element_size() for p in target.parameters()) / 2**20
+        self.build_blocks = partial(training_blocks, drafter)  # the drafter family's slots and labels
         self.attention = training_attention(cfg.model.attention, next(drafter.parameters()).device)
         self.step = 0  # optimizer steps taken (skipped steps included)
         self.tokens = 0
@@ -262,7 +264,7 @@ class DrafterTrainer:
         anchors, valid = sample_anchors(whole, cfg.train.num_anchors, B, step_generator(cfg.train.seed, step, 0))
         rows = slice(item.row_start, item.row_start + item.input_ids.shape[0])
         anchors, valid = anchors[rows], valid[rows]
-        blocks = build_training_blocks(
+        blocks = self.build_blocks(
             item.input_ids, item.loss_mask, anchors, valid, B, self.mask_token_id, self.attention
         )
         with torch.no_grad():
@@ -275,25 +277,19 @@ class DrafterTrainer:
             target_hidden = add_feature_noise(target_hidden, noise_std, generator=generator)
         out = self.model(noise_embedding, target_hidden, blocks.position_ids, attention_mask=blocks.attention_mask)
         bsz, n = anchors.shape
-        draft_hidden = out.view(bsz, n, B, -1)[:, :, 1:].reshape(bsz * n, B - 1, -1)  # slots 1..B-1
+        draft_hidden = drafted_hidden(self.drafter, out, bsz, n, B)  # [bsz * N, B-1, H] (DFlash: slots 1..B-1)
         # every loss gets the target's last hidden states: the KL losses' soft labels, and the target's argmax
         # that train/sim_tau compares the draft's with (greedy verification)
         teacher_hidden = gather_positions(item.last_hidden, blocks.teacher_positions).reshape(bsz * n, B - 1, -1)
-        lo = cfg.loss
-        return dflash_loss(
+        return family_loss(  # the drafter family's loss (DFlash: model/losses.py's fused dflash_loss)
+            self.drafter,
             draft_hidden,
-            blocks.labels.reshape(bsz * n, B - 1),
-            blocks.label_valid.reshape(bsz * n, B - 1),
+            blocks,
+            item.input_ids,
+            teacher_hidden,
             self.lm_head_weight,
-            loss_name=lo.name,
-            block_size=B,
-            decay_gamma=lo.decay_gamma,
-            kl_temperature=lo.kl_temperature,
-            kl_weight=lo.kl_weight,
-            streak_alpha=lo.streak_alpha,
-            dpace_alpha=lo.dpace_alpha,
-            teacher_hidden=teacher_hidden,
-            chunk_size=lo.chunk_size,
+            cfg.loss,
+            B,
             # data parallelism: every rank divides by the global weight sum (SpecForge PR #731's fix)
             weight_denominator=self._global_weight_sum if self.world.distributed else None,
         )
@@ -342,6 +338,8 @@ class DrafterTrainer:
                 self._sums["train/loss_ce"] += stats["loss_ce"]
                 self._sums["train/loss_kl"] += stats["loss_kl"]
                 self._sums["train/grad_norm"] += grad_norm
+                for key, value in stats["extra"].items():  # a drafter family's own terms (DSpark: TV, confidence)
+                    self._sums[key] = self._sums.get(key, 0.0) + value
                 self._acc.add_counts(stats["counts"])
                 self._n += 1
                 self.recent.append(
@@ -364,10 +362,12 @@ class DrafterTrainer:
         """This step's loss terms, block counts and stop request, summed over ranks in one collective (the
         loss terms are already divided by the global weight sum); with several ranks, also the min/max of
         their latest monitor samples."""
+        extra = sorted(out.extra)  # the same names on every rank (one family)
         local = torch.cat(
             [
                 torch.stack([out.loss.detach().float(), out.loss_ce.float(), out.loss_kl.float()]).cpu().double(),
                 torch.tensor([float(self.world.distributed and self.stop_requested())], dtype=torch.float64),
+                torch.tensor([float(out.extra[k]) for k in extra], dtype=torch.float64),
                 BlockMetricsAccumulator.counts(out.correct, out.valid, out.target_correct).cpu().double(),
             ]
         )
@@ -379,7 +379,8 @@ class DrafterTrainer:
             "loss_ce": total[1].item(),
             "loss_kl": total[2].item(),
             "stop": bool(total[3].item() > 0),
-            "counts": total[4:],
+            "extra": {k: total[4 + i].item() for i, k in enumerate(extra)},
+            "counts": total[4 + len(extra) :],
         }
 
     def set_local_sample(self, sample: dict[str, float]) -> None:

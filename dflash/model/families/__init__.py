@@ -1,0 +1,145 @@
+"""Drafter families on the DFlash backbone (`drafter=` group, config.DrafterConfig): a small registry.
+
+A family is the drafter's class, how its settings enter the drafter's config, and its training rule: which block
+slots the drafter runs and predicts from (`training_blocks`, `drafted_hidden`) and its loss (`loss`). Decoding per
+family is evaluation/family_decoding.py's; the speculators export layout is families/speculators_layout.py's.
+
+    dflash   z-lab's drafter (model/drafter.py), its fused loss (model/losses.py)
+    dspark   DFlash + a Markov logit bias and a confidence head (families/dspark.py, families/dspark_loss.py)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dflash.model.blocks import TrainingBlocks, build_training_blocks
+from dflash.model.drafter import DFlashDraftModel
+from dflash.model.families.dspark import DSparkDraftModel, configure_dspark
+from dflash.model.families.dspark_loss import dspark_loss
+from dflash.model.losses import LossOutput, dflash_loss
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_class: type[DFlashDraftModel]
+    configure: Callable  # (drafter's Qwen3Config, config.DrafterConfig) -> None
+
+
+def _configure_dflash(config, drafter_cfg) -> None:
+    config.drafter_family = "dflash"
+
+
+FAMILIES = {
+    "dflash": Family("dflash", DFlashDraftModel, _configure_dflash),
+    "dspark": Family("dspark", DSparkDraftModel, configure_dspark),
+}
+
+
+def family_name(config) -> str:
+    """The family a drafter config belongs to (configs written before families existed are DFlash's)."""
+    name = getattr(config, "drafter_family", None) or "dflash"
+    if name not in FAMILIES:
+        raise ValueError(f"drafter_family={name!r} in the drafter's config is unknown: one of {', '.join(FAMILIES)}")
+    return name
+
+
+def drafter_class(config) -> type[DFlashDraftModel]:
+    return FAMILIES[family_name(config)].model_class
+
+
+def configure_family(config, drafter_cfg) -> None:
+    """drafter.* into the drafter's config (model/build.py made its backbone part from model.*)."""
+    FAMILIES[drafter_cfg.name].configure(config, drafter_cfg)
+
+
+def draft_slots(drafter: DFlashDraftModel) -> int:
+    """Block slots the drafter runs per proposal (DFlash: block_size; DSpark sampling from the anchor: one fewer)."""
+    return getattr(drafter, "draft_slots", drafter.block_size)
+
+
+def training_blocks(
+    drafter: DFlashDraftModel,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    block_valid: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+    attention: str = "sdpa",
+    *block_args,
+) -> TrainingBlocks:
+    """The training blocks: the drafter's slots as its input, the block_size - 1 drafted tokens as labels."""
+    slots = draft_slots(drafter)
+    if slots == block_size:
+        return build_training_blocks(
+            input_ids, loss_mask, anchors, block_valid, block_size, mask_token_id, attention, *block_args
+        )
+    # the anchor's slot predicts: block_size - 1 slots in, labels at a + 1 .. a + block_size - 1 (those of a
+    # block of block_size slots), teachers at a .. a + block_size - 2
+    blocks = build_training_blocks(
+        input_ids, loss_mask, anchors, block_valid, slots, mask_token_id, attention, *block_args
+    )
+    seq_len = input_ids.shape[1]
+    pos = anchors[:, :, None] + torch.arange(1, block_size, device=input_ids.device)  # (bsz, N, B-1)
+    clamped = pos.clamp(max=seq_len - 1)
+    bsz, n = anchors.shape
+    blocks.labels = torch.gather(input_ids, 1, clamped.reshape(bsz, -1)).view(bsz, n, block_size - 1)
+    supervised = torch.gather(loss_mask.bool(), 1, clamped.reshape(bsz, -1)).view(bsz, n, block_size - 1)
+    blocks.label_valid = block_valid[:, :, None] & (pos < seq_len) & supervised
+    blocks.teacher_positions = (pos - 1).clamp(max=seq_len - 1)
+    return blocks
+
+
+def drafted_hidden(drafter: DFlashDraftModel, out: torch.Tensor, bsz: int, n: int, block_size: int) -> torch.Tensor:
+    """The drafter's output (bsz, N * slots, H) -> its drafted positions [bsz * N, block_size - 1, H]."""
+    slots = draft_slots(drafter)
+    first = getattr(drafter, "first_drafted_slot", 1)
+    return out.view(bsz, n, slots, -1)[:, :, first:].reshape(bsz * n, block_size - 1, -1)
+
+
+def previous_tokens(blocks: TrainingBlocks, input_ids: torch.Tensor) -> torch.Tensor:
+    """[N, B-1]: the token before each drafted one (the anchor, then the labels): what a Markov head conditions on."""
+    anchor_tokens = torch.gather(input_ids, 1, blocks.anchors)  # (bsz, N)
+    prev = torch.cat([anchor_tokens[:, :, None], blocks.labels[:, :, :-1]], dim=-1)
+    return prev.reshape(-1, prev.shape[-1])
+
+
+def family_loss(
+    drafter: DFlashDraftModel,
+    draft_hidden: torch.Tensor,
+    blocks: TrainingBlocks,
+    input_ids: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    loss_cfg,
+    block_size: int,
+    weight_denominator=None,
+) -> LossOutput:
+    """The family's training loss on the drafted positions (`loss_cfg`: the loss group)."""
+    n = draft_hidden.shape[0]
+    common = dict(
+        loss_name=loss_cfg.name,
+        block_size=block_size,
+        decay_gamma=loss_cfg.decay_gamma,
+        kl_temperature=loss_cfg.kl_temperature,
+        kl_weight=loss_cfg.kl_weight,
+        streak_alpha=loss_cfg.streak_alpha,
+        dpace_alpha=loss_cfg.dpace_alpha,
+        teacher_hidden=teacher_hidden,
+        chunk_size=loss_cfg.chunk_size,
+        weight_denominator=weight_denominator,
+    )
+    labels, valid = blocks.labels.reshape(n, block_size - 1), blocks.label_valid.reshape(n, block_size - 1)
+    if not isinstance(drafter, DSparkDraftModel):
+        return dflash_loss(draft_hidden, labels, valid, lm_head_weight, **common)
+    z, conf = drafter.head_outputs(draft_hidden, previous_tokens(blocks, input_ids))
+    w2 = None if z is None else drafter.markov_head.markov_w2.weight
+    weight = 1.0 if loss_cfg.confidence_weight is None else loss_cfg.confidence_weight
+    return dspark_loss(
+        draft_hidden, labels, valid, lm_head_weight, z, w2, conf, tv_weight=loss_cfg.tv_weight,
+        confidence_weight=weight, **common,
+    )  # fmt: skip

@@ -1,0 +1,204 @@
+"""Drafter families (drafter=dflash|dspark): composition, DSpark's blocks, heads and loss, its training, its
+sequential proposal and lossless verification, the confidence calibration, and the export speculators loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import compose_config
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from dflash.config import ConfigError
+from dflash.data.batches import Batch
+from dflash.evaluation.calibration import confidence_calibration
+from dflash.evaluation.decoding import DFlashProposer, speculative_generate
+from dflash.model.blocks import build_training_blocks
+from dflash.model.build import build_drafter_config, init_drafter
+from dflash.model.families import configure_family, draft_slots, training_blocks
+from dflash.model.families.dspark import DSparkDraftModel
+from dflash.model.families.dspark_loss import dspark_loss
+from dflash.model.target import TargetModel
+from dflash.train.trainer import DrafterTrainer, TargetForward
+from dflash.validation import validate
+
+MASK = 3
+
+
+def _drafter(tiny_dir, *overrides: str, seed: int = 0):
+    cfg = compose_config(["experiment=smoke", f"model.target={tiny_dir}", *overrides])
+    config = build_drafter_config(AutoConfig.from_pretrained(tiny_dir), cfg.model, [1, 2], MASK)
+    configure_family(config, cfg.drafter)
+    return cfg, init_drafter(config, seed)
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["loss.tv_weight=1"], "loss.tv_weight=1.0 is invalid: the total-variation term is DSpark's"),
+        (["loss.confidence_weight=0.5"], "drafter=dflash has no confidence head"),
+        (["drafter=dspark", "drafter.confidence_head=false", "loss.confidence_weight=1"], "has no confidence head"),
+        (["drafter=dspark", "drafter.markov_rank=0"], "drafter.confidence_head_with_markov=True is invalid"),
+        (["drafter=dspark", "parallel=fsdp"], "parallel.name='fsdp' is invalid"),
+        (["drafter=dspark", "drafter.markov_head_type=lstm"], "drafter.markov_head_type='lstm' is invalid"),
+    ],
+)
+def test_a_wrong_family_combination_is_refused_naming_the_key(overrides, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        validate(compose_config(overrides))
+
+
+def test_dspark_composes_with_every_loss_and_its_terms():
+    for loss in ("ce_decay", "kl", "kl_streak", "dpace"):
+        validate(compose_config(["drafter=dspark", f"loss={loss}", "loss.tv_weight=1", "loss.confidence_weight=0.5"]))
+    assert compose_config([]).drafter.name == "dflash"  # the default is today's drafter
+
+
+def test_anchor_sampling_runs_one_slot_fewer_with_dflash_labels(tiny_dir):
+    _, drafter = _drafter(tiny_dir, "drafter=dspark", "drafter.markov_rank=8")
+    B = drafter.block_size
+    assert draft_slots(drafter) == B - 1 and drafter.first_drafted_slot == 0
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 500, (2, 40), generator=g)
+    mask = torch.rand(2, 40, generator=g) > 0.2
+    anchors = torch.tensor([[0, 10, 36], [5, 20, 33]])
+    valid = torch.tensor([[True, True, True], [True, False, True]])
+    ours = training_blocks(drafter, ids, mask, anchors, valid, B, MASK, "sdpa")
+    dflash = build_training_blocks(ids, mask, anchors, valid, B, MASK, "sdpa")
+    assert ours.input_ids.shape == (2, 3 * (B - 1))  # [anchor, MASK x (B-2)] per block
+    assert torch.equal(ours.input_ids.view(2, 3, B - 1), dflash.input_ids.view(2, 3, B)[:, :, : B - 1])
+    # slot j predicts the token at anchor + j + 1: the labels, validity and teachers of DFlash's slots 1..B-1
+    assert torch.equal(ours.labels, dflash.labels) and torch.equal(ours.label_valid, dflash.label_valid)
+    assert torch.equal(ours.teacher_positions, dflash.teacher_positions)
+
+
+def test_rnn_markov_factors_teacher_forced_equal_step_by_step(tiny_dir):
+    _, drafter = _drafter(tiny_dir, "drafter=dspark", "drafter.markov_rank=8", "drafter.markov_head_type=rnn")
+    prev, hidden = torch.randint(0, 500, (3, 5)), torch.randn(3, 5, 64)
+    z, _ = drafter.head_outputs(hidden, prev)
+    state = None
+    for j in range(5):
+        zj, state = drafter.markov_head.step(drafter.prev_embeddings(prev[:, j]), hidden[:, j], state)
+        assert torch.allclose(z[:, j], zj)
+    stateless = drafter.markov_head.step(drafter.prev_embeddings(prev[:, 1]), hidden[:, 1], None)[0]
+    assert not torch.allclose(z[:, 1], stateless)  # the state carries the block's earlier positions
+
+
+def _reference(h, labels, valid, W, z, w2, conf, teacher, tv_weight, conf_weight, gamma):
+    """DSpark's loss on full logits with plain autograd (ce_decay weights), the chunked loss's reference."""
+    s = h @ W.T + z @ w2.T
+    ce = torch.nn.functional.cross_entropy(s.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+    tv = 1 - torch.minimum(s.softmax(-1), (teacher @ W.T).softmax(-1)).sum(-1)
+    decay = torch.exp(-torch.arange(labels.shape[1]) / gamma).expand_as(ce) * valid
+    main = (decay * (ce + tv_weight * tv)).sum() / decay.sum()
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(conf, (1 - tv).detach(), reduction="none")
+    return main + conf_weight * (decay * bce).sum() / decay.sum()
+
+
+def test_dspark_loss_in_chunks_equals_the_full_logit_reference():
+    g = torch.Generator().manual_seed(1)
+    N, K, H, V, r = 4, 5, 16, 50, 6
+    h = torch.randn(N, K, H, generator=g, requires_grad=True)
+    z = torch.randn(N, K, r, generator=g, requires_grad=True)
+    w2 = torch.randn(V, r, generator=g, requires_grad=True)
+    conf = torch.randn(N, K, generator=g, requires_grad=True)
+    W, teacher = torch.randn(V, H, generator=g), torch.randn(N, K, H, generator=g)
+    labels, valid = torch.randint(0, V, (N, K), generator=g), torch.rand(N, K, generator=g) > 0.3
+    out = dspark_loss(
+        h, labels, valid, W, z, w2, conf, tv_weight=0.7, confidence_weight=0.4, loss_name="ce_decay", block_size=K + 1,
+        decay_gamma=3.0, kl_temperature=1.0, kl_weight=0.0, streak_alpha=0.0, dpace_alpha=0.5, teacher_hidden=teacher,
+        chunk_size=3,
+    )  # fmt: skip
+    ref = _reference(h, labels, valid, W, z, w2, conf, teacher, 0.7, 0.4, 3.0)
+    assert torch.allclose(out.loss, ref, atol=1e-5)
+    grads = torch.autograd.grad(out.loss, (h, z, w2, conf))
+    for got, want in zip(grads, torch.autograd.grad(ref, (h, z, w2, conf))):
+        assert torch.allclose(got, want, atol=1e-5)
+    assert set(out.extra) == {"train/loss_tv", "train/loss_confidence"}
+
+
+def test_dspark_training_trains_both_heads_and_reports_their_terms(tiny_dir):
+    cfg, drafter = _drafter(tiny_dir, "drafter=dspark", "drafter.markov_rank=8", "loss.tv_weight=1", "schedule.lr=0.01")
+    target = TargetModel.load(str(tiny_dir), [1, 2])
+    before = {k: v.clone() for k, v in drafter.state_dict().items() if "head" in k}
+    trainer = DrafterTrainer(cfg, target, drafter, MASK, total_steps=10)
+    ids = torch.randint(5, 500, (2, 48), generator=torch.Generator().manual_seed(0))
+    batch = Batch(ids, torch.ones(2, 48, dtype=torch.bool), ids.numel(), 0, 0)
+    item = TargetForward(target, torch.device("cpu"))(batch)
+    for _ in range(3):
+        trainer.train_on(item)
+    metrics = trainer.metrics()
+    assert metrics["train/loss_tv"] > 0 and metrics["train/loss_confidence"] > 0
+    moved = [k for k, v in drafter.state_dict().items() if k in before and not torch.equal(v, before[k])]
+    assert sorted(moved) == sorted(before)  # markov_w1, markov_w2, the confidence projection
+
+
+def test_dspark_proposer_chooses_sequentially_and_verification_stays_lossless(tiny_dir):
+    _, drafter = _drafter(tiny_dir, "drafter=dspark", "drafter.markov_rank=8", "drafter.markov_head_type=rnn")
+    with torch.no_grad():  # a strong bias, so the Markov head changes the drafts
+        drafter.markov_head.markov_w2.weight.mul_(500.0)
+    drafter.eval()
+    target = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    prompt = list(range(10, 30))
+    with torch.no_grad():
+        out = target(torch.tensor([prompt]), output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i + 1] for i in (1, 2)], dim=-1)
+    B = drafter.block_size
+    proposer = DFlashProposer(drafter, target)
+    drafts = proposer.propose(prompt, feats[:, :-1], B - 1)
+    # by hand: one backbone forward of B - 1 slots, then argmax(base + bias(previous choice)) slot by slot
+    fresh = DFlashProposer(drafter, target)
+    hidden = fresh.block_hidden(prompt, feats[:, :-1], B - 1)
+    base = hidden @ target.get_output_embeddings().weight.T
+    prev, state, expect, no_markov = prompt[-1], None, [], base.argmax(-1).tolist()
+    for j in range(B - 1):
+        e = drafter.prev_embeddings(torch.tensor([prev]))
+        z, state = drafter.markov_head.step(e, hidden[j : j + 1], state)
+        prev = int((base[j] + (z @ drafter.markov_head.markov_w2.weight.T)[0]).argmax())
+        expect.append(prev)
+    assert drafts == expect and drafts != no_markov
+    assert len(proposer.confidences) == 1 and len(proposer.confidences[0]) == B - 1
+    spec = speculative_generate(target, drafter, prompt, 24, B)
+    alone = speculative_generate(target, None, prompt, 24, 1)
+    assert spec.tokens == alone.tokens
+    assert spec.confidences is not None and len(spec.confidences) == spec.cycles
+
+
+def test_confidence_calibration_counts_reached_positions():
+    # two cycles of 3 drafts: accepted 1 draft (length 2), then all 3 (length 4)
+    got = confidence_calibration([[[0.9, 0.5, 0.2], [0.8, 0.6, 0.4]]], [[2, 4]])
+    assert got["eval/conf_pred_1"] == pytest.approx(0.85) and got["eval/conf_obs_1"] == 1.0
+    assert got["eval/conf_pred_2"] == pytest.approx(0.55) and got["eval/conf_obs_2"] == 0.5
+    # position 3 was reached only in the second cycle (the first stopped at position 2)
+    assert got["eval/conf_pred_3"] == pytest.approx(0.4) and got["eval/conf_obs_3"] == 1.0
+    assert got["eval/conf_error"] == pytest.approx((2 * 0.15 + 2 * 0.05 + 0.6) / 5)
+    tau = ((1 + 0.9 + 0.45 + 0.09) + (1 + 0.8 + 0.48 + 0.192)) / 2
+    assert got["eval/conf_tau_pred"] == pytest.approx(tau)
+    assert confidence_calibration([], []) == {}
+
+
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
+def test_dspark_export_loads_with_speculators_own_classes(tiny_dir, tmp_path, head):
+    pytest.importorskip("speculators", reason="the test-only install: pip install --no-deps speculators==0.9.0 ...")
+    from speculators import SpeculatorModel
+
+    from dflash.model.export import export_drafter, load_drafter
+
+    _, drafter = _drafter(tiny_dir, "drafter=dspark", "drafter.markov_rank=8", f"drafter.markov_head_type={head}")
+    export_drafter(drafter, tmp_path / "out", target=str(tiny_dir))
+    theirs = SpeculatorModel.from_pretrained(str(tmp_path / "out"))
+    assert type(theirs).__name__ == "DSparkDraftModel" and theirs.config.speculators_model_type == "dspark"
+    assert theirs.config.aux_hidden_state_layer_ids == [2, 3]  # HF hidden_states indices of target layers 1, 2
+    assert theirs.config.block_size == drafter.block_size - 1  # sample_from_anchor: B - 1 slots draft B - 1 tokens
+    assert theirs.config.speculators_config.proposal_methods[0].speculative_tokens == drafter.block_size - 1
+    their_state = theirs.state_dict()
+    for key, value in drafter.state_dict().items():
+        assert torch.equal(their_state[key], value), key
+    prev, hidden = torch.randint(0, 500, (2, 3)), torch.randn(2, 3, 64)
+    z, conf = drafter.head_outputs(hidden, prev)
+    bias = theirs.markov_head.block_bias(prev_token_ids=prev, hidden_states=hidden)
+    assert torch.allclose(bias, z @ drafter.markov_head.markov_w2.weight.T, atol=1e-6)
+    their_conf = theirs.confidence_head(torch.cat([hidden, theirs.markov_head.prev_embeddings(prev)], dim=-1))
+    assert torch.allclose(their_conf, conf, atol=1e-6)
+    back = load_drafter(tmp_path / "out")  # and ours reads it back (python -m dflash.evaluate)
+    assert isinstance(back, DSparkDraftModel) and back.config.dflash_config == drafter.config.dflash_config
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), drafter.state_dict().values()))
