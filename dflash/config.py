@@ -123,6 +123,9 @@ class ModelConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16 (target and drafter weights)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attention: str = "auto"  # training attention: sdpa (dense bool mask) | flex (BlockMask, CUDA) | auto
+    # every draft layer attends to keys less than this many positions away (null = full attention): the block at
+    # anchor a sees at most the last W context positions, in training and decoding alike (dflash/model/window.py)
+    sliding_window: int | None = None
     # drafter attention/MLP shape; null = the target's value
     draft_num_attention_heads: int | None = None
     draft_num_key_value_heads: int | None = None
@@ -273,6 +276,9 @@ class TrainConfig:
     batch_size: int = 4
     seq_len: int = 256
     num_anchors: int = 32
+    # null = off; else at most this many anchors in a (global) batch, spread over its rows in proportion to their
+    # anchor positions, each row at most train.num_anchors (model/anchor_budget.py states the rule)
+    anchor_budget: int | None = None
     seed: int = 0
     # the data order's seed (and so what a feature store holds); null = train.seed. Fix it to train several seeds
     # (drafter init, anchors, noise) from one feature store: `-m train.seed=0,1,2 train.data_seed=0`

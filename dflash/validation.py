@@ -84,6 +84,13 @@ def validate(cfg: DictConfig | Config) -> None:
         m.attention,
         "flex needs a CUDA device (FlexAttention has no CPU backward); use sdpa or auto with model.device=cpu",
     )
+    if m.get("sliding_window") is not None:  # the block must see itself whole
+        _check(
+            m.sliding_window >= m.block_size,
+            "model.sliding_window",
+            m.sliding_window,
+            f"must be >= model.block_size ({m.block_size}) or null (full attention)",
+        )
     _optional_at_least("model.num_target_features", m.num_target_features, 1)
     for key in ("draft_num_attention_heads", "draft_num_key_value_heads", "draft_head_dim", "draft_intermediate_size"):
         _optional_at_least(f"model.{key}", getattr(m, key), 1)
@@ -196,6 +203,13 @@ def validate(cfg: DictConfig | Config) -> None:
         f"must be >= 2 * model.block_size ({2 * m.block_size})",
     )
     _check(t.num_anchors >= 1, "train.num_anchors", t.num_anchors, "must be >= 1")
+    if t.get("anchor_budget") is not None:  # every row that has an anchor position gets one
+        _check(
+            t.anchor_budget >= t.batch_size,
+            "train.anchor_budget",
+            t.anchor_budget,
+            f"must be >= train.batch_size ({t.batch_size}; each row gets at least one anchor) or null",
+        )
     _check(t.grad_clip > 0, "train.grad_clip", t.grad_clip, "must be > 0")
     _check(
         len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas),

@@ -31,6 +31,7 @@ from torch import nn
 from dflash.evaluation.decoding import hf_model, module_device, module_dtype
 from dflash.model.blocks import build_training_blocks, gather_positions
 from dflash.model.drafter import DFlashDraftModel
+from dflash.model.window import draft_window
 
 ANCHOR_CHUNK = 64  # blocks per drafter forward: bounds the dense mask (chunk * B x (S + chunk * B))
 
@@ -62,8 +63,9 @@ def drafted_lengths(
 ) -> tuple[list[int], list[int], list[list[int]]]:
     """Per anchor a in [first_anchor, last_anchor] (blocks must fit in seq): (1 + leading draft argmax ==
     target_next, 1 + leading draft argmax == seq's token, the drafts), each block drafted from the features of the
-    positions before its anchor (the training attention mask)."""
+    positions before its anchor (the training attention mask, with the drafter's sliding window if it has one)."""
     device, dtype = module_device(drafter), module_dtype(drafter)
+    window = draft_window(drafter.config)
     ids = torch.tensor([list(seq)], device=device)
     target_next, feats = target_next.to(device), feats.to(device, dtype)
     sim, data, drafts = [], [], []
@@ -71,7 +73,13 @@ def drafted_lengths(
         anchors = torch.arange(start, min(start + ANCHOR_CHUNK, last_anchor + 1), device=device).unsqueeze(0)
         valid = torch.ones_like(anchors, dtype=torch.bool)
         blocks = build_training_blocks(
-            ids, torch.ones_like(ids, dtype=torch.bool), anchors, valid, block_size, drafter.mask_token_id
+            ids,
+            torch.ones_like(ids, dtype=torch.bool),
+            anchors,
+            valid,
+            block_size,
+            drafter.mask_token_id,
+            window=window,
         )
         noise = embed(blocks.input_ids.to(embed.weight.device)).to(device, dtype)
         hidden = drafter(noise, feats, blocks.position_ids, attention_mask=blocks.attention_mask)

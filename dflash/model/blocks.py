@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.model.anchor_budget import anchor_counts
+from dflash.model.window import WindowedBlocks, effective_window, query_positions
+
 
 @dataclass
 class TrainingBlocks:
@@ -22,16 +25,23 @@ class TrainingBlocks:
     labels: torch.Tensor  # (bsz, N, B-1) long: token at a_j + k
     label_valid: torch.Tensor  # (bsz, N, B-1) bool: block valid and label a supervised token
     teacher_positions: torch.Tensor  # (bsz, N, B-1) long: a_j + k - 1, the target position predicting label k
-    attention_mask: object  # (bsz, 1, N * B, S + N * B) bool tensor (True = may attend), or a flex BlockMask
+    # (bsz, 1, N * B, S + N * B) bool tensor (True = may attend), a flex BlockMask, or under a window with sdpa
+    # a WindowedBlocks (model/window.py)
+    attention_mask: object
 
 
 def sample_anchors(
-    loss_mask: torch.Tensor, num_anchors: int, block_size: int, generator: torch.Generator | None = None
+    loss_mask: torch.Tensor,
+    num_anchors: int,
+    block_size: int,
+    generator: torch.Generator | None = None,
+    budget: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random anchors per sequence, without replacement, sorted; padded with invalid blocks.
 
     An anchor a is eligible when its whole block fits (a + B - 1 < S) and the first predicted token a + 1 is
-    supervised. loss_mask: (bsz, S) bool. Returns anchors (bsz, N) long and valid (bsz, N) bool.
+    supervised. loss_mask: (bsz, S) bool. Returns anchors (bsz, N) long and valid (bsz, N) bool: N = num_anchors,
+    or under a `budget` (train.anchor_budget) the largest row's count (`anchor_counts`).
     Anchors are resampled on every call (every pass over the data), as in the paper.
     """
     bsz, seq_len = loss_mask.shape
@@ -39,36 +49,44 @@ def sample_anchors(
     last = seq_len - block_size  # last anchor whose block fits
     if last >= 0:
         eligible[:, : last + 1] = loss_mask[:, 1 : last + 2].bool()
-    anchors = torch.zeros(bsz, num_anchors, dtype=torch.long)
-    valid = torch.zeros(bsz, num_anchors, dtype=torch.bool)
+    counts = anchor_counts(eligible.sum(dim=1).tolist(), num_anchors, budget)
+    width = num_anchors if budget is None else max(1, max(counts, default=0))
+    anchors = torch.zeros(bsz, width, dtype=torch.long)
+    valid = torch.zeros(bsz, width, dtype=torch.bool)
     for b in range(bsz):
         candidates = eligible[b].nonzero().flatten().cpu()
         if candidates.numel() == 0:
             continue
-        pick = candidates[torch.randperm(candidates.numel(), generator=generator)[:num_anchors]]
+        pick = candidates[torch.randperm(candidates.numel(), generator=generator)[: counts[b]]]
         pick, _ = pick.sort()
         anchors[b, : pick.numel()] = pick
         valid[b, : pick.numel()] = True
     return anchors.to(loss_mask.device), valid.to(loss_mask.device)
 
 
-def build_training_attention_mask(anchors: torch.Tensor, block_valid: torch.Tensor, seq_len: int, block_size: int):
+def build_training_attention_mask(
+    anchors: torch.Tensor, block_valid: torch.Tensor, seq_len: int, block_size: int, window: int | None = None
+):
     """(bsz, 1, N*B, S + N*B) bool. A query in block j sees context positions < a_j (not the anchor's own
     feature: at inference the bonus token's hidden state does not exist yet), every slot of its own block
     (bidirectional), and nothing of other blocks. Padding blocks see only themselves (keeps softmax finite;
-    their loss weight is zero)."""
+    their loss weight is zero). `window` W (model/window.py): slot k also sees only context positions > a_j + k - W."""
     bsz, n = anchors.shape
     device = anchors.device
     ctx = torch.arange(seq_len, device=device)
     ctx_visible = ctx[None, None, :] < anchors[:, :, None]  # (bsz, N, S)
     ctx_visible = ctx_visible & block_valid[:, :, None]
     ctx_visible = ctx_visible.repeat_interleave(block_size, dim=1)  # (bsz, N*B, S)
+    if window is not None:
+        ctx_visible = ctx_visible & (query_positions(anchors, block_size)[:, :, None] - ctx < window)
     block_id = torch.arange(n * block_size, device=device) // block_size
     same_block = (block_id[:, None] == block_id[None, :]).expand(bsz, -1, -1)  # (bsz, N*B, N*B)
     return torch.cat([ctx_visible, same_block], dim=-1).unsqueeze(1)
 
 
-def build_flex_block_mask(anchors: torch.Tensor, block_valid: torch.Tensor, seq_len: int, block_size: int):
+def build_flex_block_mask(
+    anchors: torch.Tensor, block_valid: torch.Tensor, seq_len: int, block_size: int, window: int | None = None
+):
     """The same visibility as `build_training_attention_mask`, as a FlexAttention BlockMask: only tiles with a
     visible entry are computed, so the cost grows with what each block sees, not with (N*B) x (S + N*B)."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -79,6 +97,8 @@ def build_flex_block_mask(anchors: torch.Tensor, block_valid: torch.Tensor, seq_
     def mask_mod(b, h, q_idx, kv_idx):
         blk = q_idx // block_size
         ctx = (kv_idx < seq_len) & (kv_idx < anchors[b, blk]) & block_valid[b, blk]
+        if window is not None:  # slot q_idx % B sits at a + q_idx % B; tiles wholly outside the window are skipped
+            ctx = ctx & (anchors[b, blk] + q_idx % block_size - kv_idx < window)
         same_block = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == blk)
         return ctx | same_block
 
@@ -93,8 +113,10 @@ def build_training_blocks(
     block_size: int,
     mask_token_id: int,
     attention: str = "sdpa",
+    window: int | None = None,
 ) -> TrainingBlocks:
-    """attention: "sdpa" builds a dense boolean mask, "flex" a FlexAttention BlockMask."""
+    """attention: "sdpa" builds a dense boolean mask, "flex" a FlexAttention BlockMask. window: the drafter's
+    sliding window (model/window.py; None = full attention); under it sdpa attends per block (WindowedBlocks)."""
     bsz, seq_len = input_ids.shape
     n = anchors.shape[1]
     device = input_ids.device
@@ -116,10 +138,17 @@ def build_training_blocks(
         labels=labels,
         label_valid=label_valid,
         teacher_positions=pos_clamped[:, :, :-1],  # a_j + k - 1 for k = 1..B-1
-        attention_mask=(build_flex_block_mask if attention == "flex" else build_training_attention_mask)(
-            anchors, block_valid, seq_len, block_size
-        ),
+        attention_mask=_attention_mask(anchors, block_valid, seq_len, block_size, attention, window),
     )
+
+
+def _attention_mask(anchors, block_valid, seq_len: int, block_size: int, attention: str, window: int | None):
+    window = effective_window(window, seq_len)  # a window as long as the sequence: the full-attention path
+    if attention == "flex":
+        return build_flex_block_mask(anchors, block_valid, seq_len, block_size, window)
+    if window is not None:
+        return WindowedBlocks(anchors, block_valid, seq_len, block_size, window)
+    return build_training_attention_mask(anchors, block_valid, seq_len, block_size)
 
 
 def gather_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,8 @@ log = logging.getLogger(__name__)
 
 def build_drafter_config(target_config, model_cfg, target_layer_ids: list[int], mask_token_id: int):
     """The drafter's Qwen3Config: hidden size and vocabulary from the target (embeddings and LM head are shared),
-    attention/MLP shape from model.draft_* (default: the target's), all layers full, non-causal attention."""
+    attention/MLP shape from model.draft_* (default: the target's), non-causal attention, every layer full or, with
+    model.sliding_window W, every layer sliding (recorded as Qwen3 and z-lab's configs do: dflash/model/window.py)."""
     from transformers import Qwen3Config
 
     n = model_cfg.num_draft_layers
@@ -44,6 +45,7 @@ def build_drafter_config(target_config, model_cfg, target_layer_ids: list[int], 
             theta,
         )
     rope = {"rope_type": "default", "rope_theta": theta}
+    window = model_cfg.get("sliding_window")
     cfg = Qwen3Config(
         vocab_size=target_config.vocab_size,
         hidden_size=target_config.hidden_size,
@@ -58,10 +60,10 @@ def build_drafter_config(target_config, model_cfg, target_layer_ids: list[int], 
         rope_parameters=rope,
         attention_bias=False,
         tie_word_embeddings=False,
-        use_sliding_window=False,
-        sliding_window=None,
+        use_sliding_window=window is not None,
+        sliding_window=None if window is None else int(window),
         max_window_layers=n,
-        layer_types=["full_attention"] * n,
+        layer_types=["full_attention" if window is None else "sliding_attention"] * n,
     )
     cfg.architectures = ["DFlashDraftModel"]
     cfg.auto_map = {"AutoModel": "dflash.DFlashDraftModel"}

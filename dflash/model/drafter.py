@@ -15,7 +15,9 @@ keys/values ("KV injection"):
 
 Training (many blocks at once) passes either a boolean `attention_mask` of shape (bsz, 1, q_len, ctx_len + q_len)
 (SDPA) or a FlexAttention `BlockMask` (sparse: only visible tiles are computed; CUDA, compiled); inference passes
-no mask (non-causal: the block sees all cached context and its whole self).
+no mask (non-causal: the block sees all cached context and its whole self). Layers of `layer_types`
+"sliding_attention" with `sliding_window` W see only keys less than W positions from the query, as Qwen3 and
+z-lab's loader read these fields (training builds the same window into its mask: dflash/model/window.py).
 """
 
 from __future__ import annotations
@@ -96,6 +98,23 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + _rotate_half(x) * sin
 
 
+def _layer_window(config: Qwen3Config, layer_idx: int) -> int | None:
+    types = getattr(config, "layer_types", None) or []
+    sliding = layer_idx < len(types) and types[layer_idx] == "sliding_attention"
+    return getattr(config, "sliding_window", None) if sliding else None
+
+
+def _window_keys(q_len: int, k: torch.Tensor, v: torch.Tensor, window: int):
+    """Decoding under a sliding window: the keys hold contiguous positions ending with the queries' own (the cache's
+    context, then the block), so query j sits at key index kv_len - q_len + j. Keys no query sees are dropped; the
+    mask keeps those less than `window` positions from the query (z-lab's rule)."""
+    keep = min(k.shape[-2], window - 1 + q_len)
+    k, v = k[..., -keep:, :], v[..., -keep:, :]
+    q_pos = torch.arange(keep - q_len, keep, device=k.device)[:, None]
+    k_pos = torch.arange(keep, device=k.device)[None, :]
+    return k, v, ((q_pos - k_pos) < window) & ((k_pos - q_pos) < window)
+
+
 class DraftKVCache:
     """Per-layer key/value cache for inference: context K/V are kept, block K/V are cropped after each draft.
 
@@ -140,6 +159,7 @@ class Qwen3DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.sliding_window = _layer_window(config, layer_idx)
 
     def forward(
         self,
@@ -161,6 +181,10 @@ class Qwen3DFlashAttention(nn.Module):
         k = _apply_rope(k, cos, sin)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
+        if attention_mask is None and self.sliding_window is not None and k.shape[-2] > self.sliding_window:
+            k, v, attention_mask = _window_keys(q_len, k, v, self.sliding_window)
+        if hasattr(attention_mask, "attend"):  # a training mask that attends itself (dflash/model/window.py)
+            return self.o_proj(attention_mask.attend(q, k, v).transpose(1, 2).reshape(bsz, q_len, -1))
         if BlockMask is not None and isinstance(attention_mask, BlockMask):
             out = _flex(q, k, v, attention_mask)
             return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))

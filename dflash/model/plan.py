@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dflash.model.anchor_budget import planned_width
+
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # the process beside its tensors, a constant: on the project's 2-core AMD EPYC importing torch, transformers and
@@ -190,16 +192,20 @@ def memory_parts(
     name = par.name if drafters > 1 else "single"
     shard = drafters if name == "fsdp" else 1
     bsz = max(1, (batch_size or tr.batch_size) // drafters)  # train.batch_size is the global batch
-    S, A, B, H = seq_len or tr.seq_len, tr.num_anchors, m.block_size, t.hidden
+    S, B, H = seq_len or tr.seq_len, m.block_size, t.hidden
+    A = planned_anchors(cfg, batch_size or tr.batch_size, S)
     T, ctx = bsz * A * B, bsz * S  # block tokens and context tokens of one step on this rank
     device = device or (m.device if m.device != "auto" else ("cuda" if _cuda() else "cpu"))
     cpu = device == "cpu"
     kv_width = d.kv_heads * d.head_dim
+    window = effective_window(m, S)
+    keys = S + A * B if window is None else window - 1 + B  # keys a block query is scored against
     per_layer = (
         T * (6 * H + 2 * d.heads * d.head_dim + 3 * d.intermediate)  # block stream, q, o, MLP
         + (ctx + T) * (H + 4 * kv_width + 2 * d.heads * d.head_dim * (d.heads // d.kv_heads > 1))  # keys/values
         # a CPU's SDPA keeps the attention probabilities for backward; a GPU's fused kernels keep only the mask
-        + bsz * A * B * (S + A * B) * (2 * d.heads if cpu else 1) // (1 if cpu else w)
+        + bsz * A * B * keys * (2 * d.heads if cpu else 1) // (1 if cpu else w)
+        + (bsz * A * (keys - B) * 2 * d.heads * d.head_dim if window else 0)  # a window's per-block context K/V
     )
     target_act = ctx * H * (t.layers + 2 + d.features) + max(
         3 * ctx * t.intermediate, bsz * t.heads * S * S if cpu else 0
@@ -230,6 +236,20 @@ def memory_parts(
         keep = ("target weights", "target activations", "feature transport", "runtime")
         parts = {k: (v if k in keep else 0) for k, v in parts.items()}
     return parts
+
+
+def planned_anchors(cfg, batch_size: int, seq_len: int) -> int:
+    """Anchors per row (the anchor tensor's width): train.num_anchors, or under train.anchor_budget the share of a
+    row in a batch of batch_size full rows (model/anchor_budget.py). A batch of mixed lengths gives its longer rows
+    more, up to train.num_anchors: the plan of a full batch is then the expected width, not the largest."""
+    tr = cfg.train
+    return planned_width(tr.num_anchors, tr.get("anchor_budget"), batch_size, seq_len, cfg.model.block_size)
+
+
+def effective_window(model_cfg, seq_len: int) -> int | None:
+    """model.sliding_window where it hides something at seq_len (dflash/model/window.py's rule), else None."""
+    w = model_cfg.get("sliding_window")
+    return None if w is None or w >= seq_len else int(w)
 
 
 def m_chunk(cfg) -> int:
@@ -273,7 +293,8 @@ def flops_per_sequence(model_cfg, t: TargetShape, seq_len: int, anchors: int) ->
               + 6 x (fc + every layer's k_proj, v_proj) x seq_len (the context's keys and values, trained too)
               + 3 x 4 x heads x head_dim x layers x anchors x block x (seq_len / 2 + block): scores and values over
                 the keys a query may see (the context before a uniform anchor and its own block), what a block
-                mask computes (a dense mask on a CPU computes all seq_len + anchors x block)
+                mask computes (a dense mask on a CPU computes all seq_len + anchors x block); under
+                model.sliding_window W < seq_len the context a uniform anchor sees is W - W^2 / (2 seq_len)
               + 6 x hidden x vocab x anchors x (block - 1): the frozen LM head's forward and input gradient (4)
                 and the teacher's logits from the stored last hidden state (2), for every loss (sim_tau compares
                 the draft's argmax with the teacher's)"""
@@ -282,16 +303,18 @@ def flops_per_sequence(model_cfg, t: TargetShape, seq_len: int, anchors: int) ->
     block_tokens = A * B
     target = (2 * (t.total_params - t.head_params) + 2 * t.layers * t.heads * t.head_dim * S) * S
     fc, kv = d.features * H * H, 2 * H * d.kv_heads * d.head_dim * d.layers
-    attention = 3 * 4 * d.heads * d.head_dim * d.layers * block_tokens * (S / 2 + B)
+    window = effective_window(model_cfg, S)
+    seen = S / 2 if window is None else window - window * window / (2 * S)  # context before a uniform anchor
+    attention = 3 * 4 * d.heads * d.head_dim * d.layers * block_tokens * (seen + B)
     head = 6 * H * t.vocab * A * (B - 1)
     drafter = 6 * d.layers * d.layer_params * block_tokens + 6 * (fc + kv) * S + attention + head
     return {"target": float(target), "drafter": float(drafter)}
 
 
 def flops_per_token(cfg, t: TargetShape) -> dict[str, float]:
-    """flops_per_sequence per context token at the run's train.seq_len and train.num_anchors."""
+    """flops_per_sequence per context token at the run's train.seq_len and anchors per row (planned_anchors)."""
     S = cfg.train.seq_len
-    f = flops_per_sequence(cfg.model, t, S, cfg.train.num_anchors)
+    f = flops_per_sequence(cfg.model, t, S, planned_anchors(cfg, cfg.train.batch_size, S))
     return {k: v / S for k, v in f.items()}
 
 

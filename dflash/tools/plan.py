@@ -14,7 +14,16 @@ from __future__ import annotations
 
 import sys
 
-from dflash.model.plan import GIB, RUNTIME_FIT, flops_per_token, largest_fit, memory_parts, planned_shape, roles
+from dflash.model.plan import (
+    GIB,
+    RUNTIME_FIT,
+    flops_per_token,
+    largest_fit,
+    memory_parts,
+    planned_anchors,
+    planned_shape,
+    roles,
+)
 from dflash.tools.features import compose
 from dflash.validation import validate
 
@@ -33,6 +42,17 @@ def split_args(argv: list[str]) -> tuple[list[str], dict]:
     return overrides, opts
 
 
+def anchors_text(cfg) -> str:
+    tr = cfg.train
+    if tr.get("anchor_budget") is None:
+        return f"{tr.num_anchors} anchors"
+    per_row = planned_anchors(cfg, tr.batch_size, tr.seq_len)
+    return (
+        f"train.anchor_budget={tr.anchor_budget} anchors per batch ({per_row} per full row; a longer row among "
+        f"shorter ones up to train.num_anchors={tr.num_anchors})"
+    )
+
+
 def render(cfg, nproc: int, memories: list[float], tflops: float, device: str) -> str:
     t, note = planned_shape(cfg.model)
     kinds = roles(cfg, nproc)
@@ -41,7 +61,8 @@ def render(cfg, nproc: int, memories: list[float], tflops: float, device: str) -
     lines = [
         f"plan for {cfg.model.name} ({cfg.model.target}, {t.total_params / 1e9:.2f}B params), {cfg.model.dtype}, "
         f"parallel={par} on {nproc} {device} rank(s), train.batch_size={cfg.train.batch_size} (global) x "
-        f"train.seq_len={cfg.train.seq_len}, {cfg.train.num_anchors} anchors x block {cfg.model.block_size}",
+        f"train.seq_len={cfg.train.seq_len}, {anchors_text(cfg)} x block {cfg.model.block_size}"
+        + (f", sliding window {cfg.model.sliding_window}" if cfg.model.get("sliding_window") else ""),
         *([note] if note else []),
         "",
         "| part | " + " | ".join(f"GiB, {r}" for r in kinds) + " |",

@@ -25,6 +25,7 @@ from dflash.distributed import World
 from dflash.machine import peak_rss_mb
 from dflash.model.blocks import gather_positions, sample_anchors
 from dflash.model.families import drafted_hidden, family_loss, training_blocks
+from dflash.model.window import draft_window
 from dflash.train.block_metrics import BlockMetricsAccumulator
 from dflash.train.schedules import add_feature_noise, lr_at, noise_std_at
 
@@ -186,6 +187,7 @@ class DrafterTrainer:
         self._target_mb = sum(p.numel() * p.element_size() for p in target.parameters()) / 2**20
         self.build_blocks = partial(training_blocks, drafter)  # the drafter family's slots and labels
         self.attention = training_attention(cfg.model.attention, next(drafter.parameters()).device)
+        self.window = draft_window(drafter.config)  # model.sliding_window, as the drafter's config records it
         self.step = 0  # optimizer steps taken (skipped steps included)
         self.tokens = 0
         self.skipped_steps = 0
@@ -261,11 +263,13 @@ class DrafterTrainer:
         cfg, B = self.cfg, self.block_size
         # anchors are drawn for the whole global batch (one process draws the same), then this rank's rows taken
         whole = item.loss_mask if item.global_loss_mask is None else item.global_loss_mask
-        anchors, valid = sample_anchors(whole, cfg.train.num_anchors, B, step_generator(cfg.train.seed, step, 0))
+        anchors, valid = sample_anchors(
+            whole, cfg.train.num_anchors, B, step_generator(cfg.train.seed, step, 0), cfg.train.get("anchor_budget")
+        )
         rows = slice(item.row_start, item.row_start + item.input_ids.shape[0])
         anchors, valid = anchors[rows], valid[rows]
         blocks = self.build_blocks(
-            item.input_ids, item.loss_mask, anchors, valid, B, self.mask_token_id, self.attention
+            item.input_ids, item.loss_mask, anchors, valid, B, self.mask_token_id, self.attention, self.window
         )
         with torch.no_grad():
             noise_embedding = self.target.embed_tokens(blocks.input_ids).to(self.drafter.dtype)
