@@ -202,3 +202,21 @@ def test_dspark_export_loads_with_speculators_own_classes(tiny_dir, tmp_path, he
     back = load_drafter(tmp_path / "out")  # and ours reads it back (python -m dflash.evaluate)
     assert isinstance(back, DSparkDraftModel) and back.config.dflash_config == drafter.config.dflash_config
     assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), drafter.state_dict().values()))
+
+
+def test_cost_per_draft_cycle_counts_the_heads_and_prints_every_family(capsys):
+    from dflash.tools.bench.families import _drafter, _options, bench, proposal_flops
+
+    opts = _options(["hidden=64", "vocab=500", "layers=1", "heads=2", "kv_heads=1", "head_dim=32",
+                     "intermediate=128", "block=4", "ctx=8", "rank=8"])  # fmt: skip
+    dflash, rnn = _drafter(opts, "dflash", None), _drafter(opts, "dspark", "rnn")
+    layer = sum(p.numel() for p in dflash.layers.parameters())
+    backbone = lambda slots: 2 * layer * slots + 4 * 2 * 32 * slots * (8 + slots)  # noqa: E731
+    assert proposal_flops(dflash, opts) == backbone(4) + 2 * 64 * 500 * 3
+    # sample_from_anchor: one slot fewer; the bias, the rnn's joint projection and the confidence head per draft
+    markov = 2 * 8 * 500 * 3 + 2 * (2 * 8 + 64) * 3 * 8 * 3 + 2 * (64 + 8) * 3
+    assert proposal_flops(rnn, opts) == backbone(3) + 2 * 64 * 500 * 3 + markov
+    bench(["hidden=64", "vocab=500", "layers=1", "heads=2", "kv_heads=1", "head_dim=32", "intermediate=128",
+           "block=4", "ctx=8", "rank=8", "repeats=1", "warmup=0"])  # fmt: skip
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert [r.split()[0] for r in rows] == ["dflash", "dspark/vanilla", "dspark/gated", "dspark/rnn"]

@@ -24,6 +24,8 @@ sweep: a 4-job multirun over loss.kl_temperature online against from a feature s
       the same run and the store sweep's cost over its limit (one target pass + N drafter passes + the store's
       I/O), PASS/MISS against the goal of 10%, also per step (fixed costs cancelled by a second size,
       base_steps=1). Options: steps=30 jobs=4 seed=0 modes=sync,async ...; see dflash/tools/bench/sweep.py.
+families: each drafter family's cost per draft cycle at one block size (parameters, FLOPs of one proposal, its
+      measured CPU latency), side by side; see dflash/tools/bench/families.py.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ BENCHES = {
     "data": "dflash.tools.bench.data",
     "transport": "dflash.tools.bench.transport",
     "sweep": "dflash.tools.bench.sweep",
+    "families": "dflash.tools.bench.families",
 }
 
 
