@@ -94,9 +94,10 @@ def summary_lines(run_dir: Path, phases: dict) -> list[str]:
                                        for k, v in phases.items())]  # fmt: skip
     try:
         summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+        ev = {k: summary.get(f"eval/{k}", float("nan")) for k in ("tau", "tau_baseline", "tau_untrained", "speedup")}
         lines.append(
-            f"held-out prompts: tau {summary.get('eval/tau', float('nan')):.3f}, prompt lookup "
-            f"{summary.get('eval/tau_baseline', float('nan')):.3f}"
+            f"held-out prompts (pooled over cycles): tau {ev['tau']:.3f}, prompt lookup {ev['tau_baseline']:.3f}, "
+            f"untrained {ev['tau_untrained']:.3f}, speedup {ev['speedup']:.2f}x"
         )
         bench = json.loads((run_dir / BENCH_FILE).read_text())
     except (OSError, ValueError):
@@ -104,7 +105,7 @@ def summary_lines(run_dir: Path, phases: dict) -> list[str]:
     for key, r in sorted(bench.get("results", {}).items()):
         m = {k: r.get("metrics", {}).get(k, float("nan")) for k in ("tau", "tau_lookup", "speedup", "lossless")}
         lines.append(
-            f"{key}: tau {m['tau']:.3f}, prompt lookup {m['tau_lookup']:.3f}, "
+            f"{key} (z-lab's mean over generations): tau {m['tau']:.3f}, prompt lookup {m['tau_lookup']:.3f}, "
             f"speedup {m['speedup']:.2f}x, lossless {m['lossless']}"
         )
     return lines
