@@ -266,6 +266,12 @@ def _validate_drafter(c) -> None:
             "needs a Markov head (drafter.markov_rank > 0), or set it false",
         )
         _check(
+            not c.eval.get("replay", False),
+            "eval.replay",
+            c.eval.get("replay"),
+            "replay drafts as DFlash does (evaluation/replay.py); drafter=dspark needs eval.replay=false",
+        )
+        _check(
             c.parallel.name != "fsdp",
             "parallel.name",
             c.parallel.name,

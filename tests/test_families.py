@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import compose_config
+from conftest import compose_config, launch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash.config import ConfigError
@@ -39,6 +39,7 @@ def _drafter(tiny_dir, *overrides: str, seed: int = 0):
         (["drafter=dspark", "drafter.confidence_head=false", "loss.confidence_weight=1"], "has no confidence head"),
         (["drafter=dspark", "drafter.markov_rank=0"], "drafter.confidence_head_with_markov=True is invalid"),
         (["drafter=dspark", "parallel=fsdp"], "parallel.name='fsdp' is invalid"),
+        (["drafter=dspark", "eval.replay=true"], "eval.replay=True is invalid"),
         (["drafter=dspark", "drafter.markov_head_type=lstm"], "drafter.markov_head_type='lstm' is invalid"),
     ],
 )
@@ -220,3 +221,24 @@ def test_cost_per_draft_cycle_counts_the_heads_and_prints_every_family(capsys):
            "block=4", "ctx=8", "rank=8", "repeats=1", "warmup=0"])  # fmt: skip
     rows = capsys.readouterr().out.splitlines()[2:]
     assert [r.split()[0] for r in rows] == ["dflash", "dspark/vanilla", "dspark/gated", "dspark/rnn"]
+
+
+@pytest.mark.slow
+def test_a_sweep_over_families_is_one_multirun(tmp_path, cache_dir):
+    proc = launch(
+        ["-m", "experiment=smoke", "drafter=dflash,dspark", "train.seed=0,1", "drafter.markov_rank=8",
+         "eval.baselines=false", f"hydra.sweep.dir={tmp_path}"],
+        cache_dir, timeout=900, check=True,
+    )  # fmt: skip
+    import json
+
+    jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and (p / "summary.json").exists())
+    assert len(jobs) == 4, proc.stdout[-2000:]
+    for job in jobs:
+        summary = json.loads((job / "summary.json").read_text())
+        drafter_config = json.loads((job / "drafter" / "config.json").read_text())
+        is_dspark = drafter_config.get("speculators_model_type") == "dspark"  # else z-lab's layout
+        assert summary["status"] == "completed" and ("train/loss_tv" in summary) == is_dspark
+        assert ("eval/conf_error" in summary) == is_dspark
+    assert sum(json.loads((j / "drafter" / "config.json").read_text()).get("speculators_model_type") == "dspark"
+               for j in jobs) == 2  # fmt: skip

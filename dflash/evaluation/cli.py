@@ -60,7 +60,10 @@ def _resolve_inputs(path: str, target_arg: str | None) -> _Inputs:
         target = target_arg or _resolve_run_target(run, str(cfg.model.target))
         return _Inputs(run.drafter, target, cfg, run.read_eval())
     if (p / "config.json").is_file():
-        target = target_arg or json.loads((p / "config.json").read_text()).get("dflash_target")
+        config = json.loads((p / "config.json").read_text())
+        # z-lab's layout: our dflash_target; speculators' (drafter=dspark): the verifier it names
+        verifier = (config.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
+        target = target_arg or config.get("dflash_target") or verifier
         if not target:
             raise ValueError(f"{p}/config.json has no dflash_target field: pass --target PATH_OR_HUB_NAME")
         return _Inputs(p, str(target))
@@ -180,14 +183,19 @@ def _run_cli(args: argparse.Namespace) -> dict[str, Any]:
 
     from dflash.distributed import resolve_device
     from dflash.model.export import check_drafter_against
+    from dflash.model.families.speculators_layout import is_speculators_dir, load_speculators
     from dflash.model.target import DTYPES, check_target_exists
 
     inputs = _resolve_inputs(args.path, args.target)
     check_target_exists(inputs.target)
     device = resolve_device(args.device)
-    drafter = DFlashDraftModel.from_pretrained(
-        str(inputs.drafter_dir), **({} if args.dtype == "auto" else {"dtype": DTYPES[args.dtype]})
-    )
+    if is_speculators_dir(inputs.drafter_dir):  # another family's export (DSpark: speculators' layout)
+        drafter = load_speculators(inputs.drafter_dir)
+        drafter = drafter if args.dtype == "auto" else drafter.to(DTYPES[args.dtype])
+    else:
+        drafter = DFlashDraftModel.from_pretrained(
+            str(inputs.drafter_dir), **({} if args.dtype == "auto" else {"dtype": DTYPES[args.dtype]})
+        )
     drafter = drafter.to(device).eval()
     dtype = module_dtype(drafter)
     target = AutoModelForCausalLM.from_pretrained(inputs.target, dtype=dtype).to(device).eval()

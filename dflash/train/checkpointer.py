@@ -154,7 +154,8 @@ def load_drafter_from_source(source: Path):
     Returns (drafter, target path or None)."""
     from transformers import Qwen3Config
 
-    from dflash.model.drafter import DFlashDraftModel
+    from dflash.model.export import load_drafter  # z-lab's layout, or speculators' for another family
+    from dflash.model.families import drafter_class
 
     source = Path(source)
     target = None
@@ -168,17 +169,18 @@ def load_drafter_from_source(source: Path):
         verified = ckpt is not None
         if ckpt is None:
             if (run.drafter / "config.json").exists():
-                return DFlashDraftModel.from_pretrained(run.drafter), target
+                return load_drafter(run.drafter), target
             raise FileNotFoundError(f"{source}: run has no complete checkpoint and no drafter/")
         source = ckpt
     if (source / META).exists():
         meta = read_meta(source)
-        drafter = DFlashDraftModel(Qwen3Config.from_dict(meta["drafter_config"]))
+        config = Qwen3Config.from_dict(meta["drafter_config"])
+        drafter = drafter_class(config)(config)  # the family the run trained
         if is_sharded(source):
             load_sharded_weights(source, drafter, verified=verified)
         else:
             load_checkpoint(source, drafter, verified=verified)
         return drafter, target or meta.get("target")
     if (source / "config.json").exists():
-        return DFlashDraftModel.from_pretrained(source), target
+        return load_drafter(source), target
     raise FileNotFoundError(f"{source}: not a run dir, checkpoint dir or drafter dir")

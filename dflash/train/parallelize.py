@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dflash.distributed import World
-from dflash.model.drafter import DFlashDraftModel
+from dflash.model.families import drafter_class
 
 
 def parallelize_drafter(drafter: nn.Module, world: World, mixed_precision: bool = True) -> nn.Module:
@@ -64,7 +64,7 @@ def frozen_copy(
             state = {k: v.detach().clone() for k, v in unwrapped.state_dict().items()}
     device = device if device is not None else next(unwrapped.parameters()).device
     with torch.device("meta"):  # not type(unwrapped): FSDP2 swaps the class of a sharded module
-        clone = DFlashDraftModel(copy.deepcopy(unwrapped.config))
+        clone = drafter_class(unwrapped.config)(copy.deepcopy(unwrapped.config))  # its family's class
     clone.load_state_dict(state, assign=True, strict=True)
     # non-persistent buffers (RoPE inv_freq) are not in the state dict
     for name, buf in unwrapped.named_buffers():
