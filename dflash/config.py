@@ -32,6 +32,7 @@ LOSS_NAMES = ("ce_decay", "kl", "kl_streak", "dpace")
 DRAFTER_NAMES = ("dflash", "dspark")  # dflash/model/families/
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 SCHEDULE_NAMES = ("cosine", "constant", "wsd")
+OPTIM_NAMES = ("adamw", "muon")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 ATTENTION_NAMES = ("auto", "sdpa", "flex")
 BUILD_KINDS = ("none", "tiny", "tiny_random", "tiny_chat", "random", "gguf_wheel")
@@ -47,7 +48,7 @@ BACKENDS = ("auto", "nccl", "gloo")
 # train/pipeline.py and run.py (sync: one thread, no queues, one target worker). An override of one that the chosen
 # option does not read warns, naming the option that would; a sweep over one that no job reads is refused
 # (dflash/override_effects.py). A group's option is the value of its key in OPTION_KEYS.
-OPTION_KEYS = {"loss": "loss.name", "schedule": "schedule.name", "pipeline": "pipeline.mode"}
+OPTION_KEYS = {"loss": "loss.name", "schedule": "schedule.name", "pipeline": "pipeline.mode", "optim": "optim.name"}
 READ_ONLY_BY = {
     "loss.decay_gamma": ("ce_decay", "kl", "kl_streak"),
     "loss.kl_weight": ("kl", "kl_streak", "dpace"),
@@ -59,6 +60,12 @@ READ_ONLY_BY = {
     "pipeline.queue_size": ("async",),
     "pipeline.queue_bytes": ("async",),
     "pipeline.target_workers": ("async",),
+    "optim.muon_lr_ratio": ("muon",),
+    "optim.muon_momentum": ("muon",),
+    "optim.muon_weight_decay": ("muon",),
+    "optim.muon_ns_steps": ("muon",),
+    "optim.muon_adjust_lr": ("muon",),
+    "optim.muon_exclude": ("muon",),
 }
 # ... and read only while another key is not at a value: the temperature scales the KL term, which kl_weight 0 drops
 UNREAD_WHILE = {"loss.kl_temperature": ("loss.kl_weight", 0.0)}
@@ -131,6 +138,10 @@ class ModelConfig:
     draft_num_key_value_heads: int | None = None
     draft_head_dim: int | None = None
     draft_intermediate_size: int | None = None
+    # start the drafter from these weights instead of train.seed's init: a drafter directory in z-lab's layout
+    # (config.json + model.safetensors: an export, ours or released) or a run directory (its newest checkpoint,
+    # else its drafter/); checked against the target and this config first (dflash/train/init_from.py)
+    init_from: str | None = None
     build: TinyBuildConfig = field(default_factory=TinyBuildConfig)
 
 
@@ -164,7 +175,9 @@ class DrafterConfig:
     # model.block_size slots whose anchor slot predicts nothing
     sample_from_anchor: bool = True
     markov_rank: int = 256  # dspark: rank of the bias W2 @ W1[previous token]; 0 = no Markov head
-    markov_head_type: str = "vanilla"  # dspark: vanilla | gated (gate from the hidden state) | rnn (state over the block)
+    markov_head_type: str = (
+        "vanilla"  # dspark: vanilla | gated (gate from the hidden state) | rnn (state over the block)
+    )
     confidence_head: bool = True  # dspark: predict each drafted position's acceptance probability
     confidence_head_with_markov: bool = True  # dspark: the confidence head reads [hidden; W1[previous token]]
 
@@ -284,10 +297,29 @@ class TrainConfig:
     # (drafter init, anchors, noise) from one feature store: `-m train.seed=0,1,2 train.data_seed=0`
     data_seed: int | None = None
     grad_clip: float = 1.0
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    # moved to the optim group (optim.weight_decay, optim.betas): set, they are refused naming the new key
+    weight_decay: float | None = None
+    betas: list[float] | None = None
     max_bad_steps: int = 10
     deterministic: bool = False  # deterministic algorithms and one CPU thread per stage (dflash/determinism.py)
+
+
+@dataclass
+class OptimConfig:
+    """The optimizer (dflash/train/optimizers.py): `adamw` for every trainable parameter, or `muon`:
+    torch.optim.Muon for the drafter's hidden weight matrices and AdamW for the rest (norms). The learning rate is
+    the schedule's (schedule.lr), gradient clipping train.grad_clip."""
+
+    name: str = "adamw"  # adamw | muon
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's (muon: its AdamW part's)
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay (muon: its AdamW part's)
+    # muon only: Muon's lr is schedule.lr times this (with match_rms_adamw Muon reuses AdamW's lr: ratio 1)
+    muon_lr_ratio: float = 1.0
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.1
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
+    muon_adjust_lr: str = "match_rms_adamw"  # match_rms_adamw (Moonshot) | original (Keller Jordan)
+    muon_exclude: list[str] = field(default_factory=list)  # names of 2-D weights kept on AdamW (e.g. [fc])
 
 
 def data_seed(train) -> int:
@@ -364,6 +396,7 @@ class Config:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

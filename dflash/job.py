@@ -27,8 +27,10 @@ from dflash.rundir import RunDir
 from dflash.sources import target_and_data, target_files
 from dflash.tracking import CallbackList
 from dflash.train import faults
+from dflash.train.checkpoint import latest_checkpoint
 from dflash.train.checkpointer import CheckpointManager
 from dflash.train.feature_store import check_manifest, manifest_for, store_path
+from dflash.train.init_from import InitSource, find_init_source, load_init_weights
 from dflash.train.parallelize import frozen_copy, full_state_dict, parallelize_drafter
 from dflash.train.step_watch import watch_first_step
 from dflash.train.trainer import DrafterTrainer, total_steps
@@ -86,6 +88,7 @@ def build_job(
         raise ConfigError(
             f"train.batch_size={cfg.train.batch_size} is the global batch: it must divide by the {world.size} ranks"
         )
+    init_source = _init_source(cfg, run, world, files, mask_id)  # checked before the target loads
     par = cfg.parallel
     device = world.device if world.distributed else resolve_device(par.get("drafter_device") or cfg.model.device)
     places = par.get("target_devices") or [str(world.device if world.distributed else resolve_device(cfg.model.device))]
@@ -112,6 +115,10 @@ def build_job(
     drafter_config = build_drafter_config(files.config, cfg.model, files.layer_ids, mask_id)
     configure_family(drafter_config, cfg.drafter)  # drafter=: the family's class and settings
     drafter = init_drafter(drafter_config, cfg.train.seed, device, DTYPES[cfg.model.dtype])
+    if init_source is not None:
+        init_record = load_init_weights(drafter, init_source)
+        if world.is_main:
+            run.add_run_info("init_from", init_record, resumed=bool(cfg.resume))
     log.info(
         "drafter: %d layers, %.2fM trainable params, block %d, mask id %d",
         drafter_config.num_hidden_layers,
@@ -154,3 +161,14 @@ def build_job(
     return Job(
         target, drafter, device, loaded.data, trainer, checkpoints, evaluator, world, model, loaded.replicas, store
     )
+
+
+def _init_source(cfg: DictConfig, run: RunDir, world: World, files, mask_id: int) -> InitSource | None:
+    """model.init_from, checked against the drafter this run builds; None when unset, or when a resume finds a
+    checkpoint of its own (the run continues from its own weights, not from init_from's)."""
+    if not cfg.model.get("init_from"):
+        return None
+    if cfg.resume and world.broadcast_object(latest_checkpoint(run.path) is not None if world.is_main else None):
+        return None
+    config = build_drafter_config(files.config, cfg.model, files.layer_ids, mask_id)
+    return find_init_source(cfg.model.init_from, config)

@@ -44,6 +44,8 @@ _MOVED_KEYS = {
     "train.fail_at_step": "debug.fail_at_step",
     "train.crash_at_step": "debug.crash_at_step",
     "train.fail_target_at_batch": "debug.fail_target_at_batch",
+    "train.betas": "optim.betas",  # the optim group's since issue 39
+    "train.weight_decay": "optim.weight_decay",
 }
 
 
@@ -59,7 +61,7 @@ def _upgrade(saved: DictConfig) -> DictConfig:
         group, _, key = old.partition(".")
         if group in saved and key in saved[group]:
             value = saved[group].pop(key)
-            if old in _MOVED_KEYS:
+            if old in _MOVED_KEYS and value is not None:  # a newer config keeps a moved key as null
                 OmegaConf.update(saved, _MOVED_KEYS[old], value, force_add=True)
     return saved
 

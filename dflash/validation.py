@@ -18,6 +18,7 @@ from dflash.config import (
     DTYPE_NAMES,
     LOSS_NAMES,
     MARKOV_HEAD_TYPES,
+    OPTIM_NAMES,
     PARALLEL_NAMES,
     PIPELINE_MODES,
     SCHEDULE_NAMES,
@@ -192,7 +193,12 @@ def validate(cfg: DictConfig | Config) -> None:
     _check(e.prompt_lookup_ngram >= 1, "eval.prompt_lookup_ngram", e.prompt_lookup_ngram, "must be >= 1")
 
     t = c.train
-    _check(t.max_steps >= 1, "train.max_steps", t.max_steps, "must be >= 1")
+    _check(
+        t.max_steps >= 1 or (t.max_steps == 0 and getattr(m, "init_from", None)),
+        "train.max_steps",
+        t.max_steps,
+        "must be >= 1 (0: only evaluate the drafter model.init_from names, so it needs model.init_from)",
+    )
     if t.max_tokens is not None:
         _check(t.max_tokens >= 1, "train.max_tokens", t.max_tokens, "must be >= 1 (or null)")
     _check(t.batch_size >= 1, "train.batch_size", t.batch_size, "must be >= 1")
@@ -211,14 +217,8 @@ def validate(cfg: DictConfig | Config) -> None:
             f"must be >= train.batch_size ({t.batch_size}; each row gets at least one anchor) or null",
         )
     _check(t.grad_clip > 0, "train.grad_clip", t.grad_clip, "must be > 0")
-    _check(
-        len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas),
-        "train.betas",
-        list(t.betas),
-        "must be two numbers in [0, 1)",
-    )
     _check(t.max_bad_steps >= 1, "train.max_bad_steps", t.max_bad_steps, "must be >= 1")
-    _check(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0")
+    _validate_optim(c)
 
     ck = c.checkpoint
     _check(ck.every_steps >= 0, "checkpoint.every_steps", ck.every_steps, "must be >= 0")
@@ -233,6 +233,26 @@ def validate(cfg: DictConfig | Config) -> None:
     )
     _one_of("features.dtype", c.features.dtype, ("float32", "bfloat16", "fp8"))
     _check(c.features.shard_batches >= 1, "features.shard_batches", c.features.shard_batches, "must be >= 1")
+
+
+def _validate_optim(c) -> None:
+    for old in ("betas", "weight_decay"):  # the optim group's since issue 39 (CHANGELOG: migration)
+        value = getattr(c.train, old, None)
+        _check(value is None, f"train.{old}", value, f"moved to the optim group: set optim.{old} instead")
+    o = c.optim
+    _one_of("optim", o.name, OPTIM_NAMES)
+    _check(
+        len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
+        "optim.betas",
+        list(o.betas),
+        "must be two numbers in [0, 1)",
+    )
+    _check(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
+    _check(o.muon_lr_ratio > 0, "optim.muon_lr_ratio", o.muon_lr_ratio, "must be > 0")
+    _check(0 <= o.muon_momentum < 1, "optim.muon_momentum", o.muon_momentum, "must be in [0, 1)")
+    _check(o.muon_weight_decay >= 0, "optim.muon_weight_decay", o.muon_weight_decay, "must be >= 0")
+    _check(o.muon_ns_steps >= 1, "optim.muon_ns_steps", o.muon_ns_steps, "must be >= 1")
+    _one_of("optim.muon_adjust_lr", o.muon_adjust_lr, ("match_rms_adamw", "original"))
 
 
 def _validate_drafter(c) -> None:

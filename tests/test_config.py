@@ -72,14 +72,17 @@ def test_published_shapes():
         ("pipeline.queue_bytes=0", "pipeline.queue_bytes"),
         ("pipeline.join_timeout_s=0", "pipeline.join_timeout_s"),
         ("pipeline.threads_per_stage=0", "pipeline.threads_per_stage"),
-        ("train.weight_decay=-0.1", "train.weight_decay"),
+        ("optim.weight_decay=-0.1", "optim.weight_decay"),
+        ("optim.betas=[0.9,1.0]", "optim.betas"),
+        ("optim=muon optim.muon_momentum=1.0", "optim.muon_momentum"),
+        ("optim=muon optim.muon_adjust_lr=keller", "optim.muon_adjust_lr"),
         ("model.num_target_features=0", "model.num_target_features"),
         ("data.max_files=0", "data.max_files"),
         ("model.draft_num_attention_heads=0", "model.draft_num_attention_heads"),
     ],
 )
 def test_value_checks_name_the_key(override, key):
-    cfg = _compose([override])
+    cfg = _compose(override.split())
     if key is None:
         validate(cfg)
         return

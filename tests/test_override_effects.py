@@ -41,6 +41,8 @@ def test_the_headline_overrides_on_the_default_loss_each_say_they_do_nothing():
         (["schedule=wsd", "schedule.decay_ratio=0.3"], []),
         (["pipeline=sync", "pipeline.queue_size=8", "pipeline.monitor_interval_s=1"], ["pipeline.queue_size"]),
         (["++loss.streak_alpha=0.5", "loss.name=kl_streak"], []),  # the option set by its key, not the group
+        (["optim.muon_momentum=0.9", "optim.weight_decay=0.1"], ["optim.muon_momentum"]),  # adamw reads no muon_*
+        (["optim=muon", "optim.muon_momentum=0.9"], []),
     ],
 )
 def test_each_option_reads_the_keys_the_table_says(overrides, unread):
@@ -49,10 +51,16 @@ def test_each_option_reads_the_keys_the_table_says(overrides, unread):
 
 
 def test_the_table_names_real_keys_and_options():
-    from dflash.config import DRAFTER_NAMES, LOSS_NAMES, PIPELINE_MODES, SCHEDULE_NAMES
+    from dflash.config import DRAFTER_NAMES, LOSS_NAMES, OPTIM_NAMES, PIPELINE_MODES, SCHEDULE_NAMES
 
     cfg = compose_config([])
-    names = {"loss": LOSS_NAMES, "schedule": SCHEDULE_NAMES, "pipeline": PIPELINE_MODES, "drafter": DRAFTER_NAMES}
+    names = {
+        "loss": LOSS_NAMES,
+        "schedule": SCHEDULE_NAMES,
+        "pipeline": PIPELINE_MODES,
+        "drafter": DRAFTER_NAMES,
+        "optim": OPTIM_NAMES,
+    }
     for key, readers in READ_ONLY_BY.items():
         group = key.split(".")[0]
         assert key.split(".")[1] in cfg[group] and set(readers) < set(names[group]), key

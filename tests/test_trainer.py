@@ -94,7 +94,7 @@ def test_resumed_optimizer_takes_the_resumed_configs_hyperparameters(parts):
     trainer = DrafterTrainer(cfg, target, drafter, mask_id, total_steps=100)
     trainer.train_on(TargetForward(target, torch.device("cpu"))(_batch()))
     state = trainer.state_dict()
-    cfg.train.weight_decay, cfg.train.betas = 0.3, [0.5, 0.6]  # what `resume=RUN train.weight_decay=0.3 ...` gives
+    cfg.optim.weight_decay, cfg.optim.betas = 0.3, [0.5, 0.6]  # what `resume=RUN optim.weight_decay=0.3 ...` gives
     resumed = DrafterTrainer(cfg, target, drafter, mask_id, total_steps=100)
     resumed.load_state_dict(state)
     group = resumed.optimizer.param_groups[0]

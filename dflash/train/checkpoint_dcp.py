@@ -56,7 +56,7 @@ def save_sharded(final: Path, model, trainer, world: World, extra: dict, keep_la
         tmp.mkdir()
     world.barrier()
     try:
-        model_state, optim_state = get_state_dict(model, trainer.optimizer)
+        model_state, optim_state = get_state_dict(model, list(trainer.optimizer.parts.values()))
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp), process_group=world.group)
         torch.save({"torch": torch.get_rng_state()}, tmp / _rng_file(world.rank))
     except BaseException:
@@ -89,11 +89,12 @@ def load_sharded(ckpt: Path, model, trainer, world: World) -> dict:
     meta.json."""
     meta = read_meta(ckpt)
     check_signature(ckpt, meta, unwrap(model))
-    model_state, optim_state = get_state_dict(model, trainer.optimizer)
+    parts = list(trainer.optimizer.parts.values())
+    model_state, optim_state = get_state_dict(model, parts)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(ckpt), process_group=world.group)
-    set_state_dict(model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    trainer.apply_config_to_optimizer()
+    set_state_dict(model, parts, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    trainer.optimizer.apply_config()  # the resumed config's hyperparameters
     trainer.load_counters(meta["trainer"])
     rng = Path(ckpt) / _rng_file(world.rank)
     if rng.is_file() and meta.get("world_size") == world.size:
@@ -125,14 +126,15 @@ def load_full_into(ckpt: Path, model, trainer) -> dict:
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, full, options=options)
     saved = torch.load(Path(ckpt) / STATE, map_location="cpu", weights_only=True)["trainer"]
-    # the single-process optimizer was built over the trainable parameters in `named_parameters` order
-    names = [n for n, p in drafter.named_parameters() if p.requires_grad]
-    optim = saved["optimizer"]
-    by_name = {
-        "state": {names[i]: s for i, s in optim["state"].items()},
-        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optim["param_groups"]],
-    }
-    set_optimizer_state_dict(model, trainer.optimizer, by_name, options=options)
-    trainer.apply_config_to_optimizer()
+    # each single-process optimizer keys its state by the index of a parameter in its own parameter list, which
+    # was built as this run's (the same split, in `named_parameters` order): index -> name, one part at a time
+    name_of = {p: n for n, p in drafter.named_parameters()}
+    by_name: dict = {"state": {}, "param_groups": []}
+    for part, optim in trainer.optimizer.split_state(saved["optimizer"]).items():
+        names = [name_of[p] for g in trainer.optimizer.parts[part].param_groups for p in g["params"]]
+        by_name["state"].update({names[i]: s for i, s in optim["state"].items()})
+        by_name["param_groups"] += [{**g, "params": [names[i] for i in g["params"]]} for g in optim["param_groups"]]
+    set_optimizer_state_dict(model, list(trainer.optimizer.parts.values()), by_name, options=options)
+    trainer.optimizer.apply_config()  # the resumed config's hyperparameters
     trainer.load_counters(saved)
     return meta

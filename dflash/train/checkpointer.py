@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from dflash.config import ConfigError
 from dflash.disk import DiskFull, check_free, dir_bytes, remove_partial
 from dflash.distributed import World
 from dflash.rundir import RunDir
@@ -103,6 +104,8 @@ class CheckpointManager:
         # a resumed job without W&B keeps the resumed id for the next resume that has W&B
         run_id = self.tracking_state().get("wandb_run_id") or self.resumed_meta.get("wandb_run_id")
         extra = {"wandb_run_id": run_id, "target": self.target_path, "data_fingerprint": self.data_fingerprint}
+        if hasattr(trainer, "optimizer"):  # which optim option's state the checkpoint holds (resume checks it)
+            extra["optimizer"] = trainer.optimizer.name
         if self.world.distributed:
             final = RunDir(self.run_dir).checkpoints / f"step_{trainer.step}"
             path = save_sharded(final, self.model, trainer, self.world, extra, self.cfg.keep_last)
@@ -138,7 +141,15 @@ class CheckpointManager:
         if ckpt is None:
             log.warning("resume=%s: no complete checkpoint, starting from step 0", self.run_dir)
             return None
-        self.check_before_resume(ckpt, read_meta(ckpt))
+        meta = read_meta(ckpt)
+        self.check_before_resume(ckpt, meta)
+        saved = meta.get("optimizer", "adamw")  # checkpoints from before the optim group hold AdamW's state
+        if hasattr(trainer, "optimizer") and saved != trainer.optimizer.name:
+            raise ConfigError(
+                f"resume: checkpoint {ckpt.name} holds optim={saved}'s state, this run's optimizer is "
+                f"optim={trainer.optimizer.name}: resume with optim={saved}, or start a new run from its weights "
+                f"with model.init_from={self.run_dir}"
+            )
         if is_sharded(ckpt):
             self.resumed_meta = load_sharded(ckpt, self.model, trainer, self.world)
         elif self.world.distributed:

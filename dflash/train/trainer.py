@@ -27,6 +27,7 @@ from dflash.model.blocks import gather_positions, sample_anchors
 from dflash.model.families import drafted_hidden, family_loss, training_blocks
 from dflash.model.window import draft_window
 from dflash.train.block_metrics import BlockMetricsAccumulator
+from dflash.train.optimizers import DrafterOptimizer
 from dflash.train.schedules import add_feature_noise, lr_at, noise_std_at
 
 log = logging.getLogger(__name__)
@@ -176,13 +177,7 @@ class DrafterTrainer:
         self.total_steps = total_steps
         self.max_tokens = cfg.train.max_tokens
         self.after_step = after_step
-        t = cfg.train
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=cfg.schedule.lr,
-            betas=tuple(t.betas),
-            weight_decay=t.weight_decay,
-        )
+        self.optimizer = DrafterOptimizer(self.model, cfg.optim, cfg.schedule.lr)  # the optim group's
         self.lm_head_weight = target.lm_head.weight  # frozen, shared with the target
         self._target_mb = sum(p.numel() * p.element_size() for p in target.parameters()) / 2**20
         self.build_blocks = partial(training_blocks, drafter)  # the drafter family's slots and labels
@@ -309,8 +304,7 @@ class DrafterTrainer:
         cfg, world = self.cfg, self.world
         step = self.step
         lr, noise_std = self.lr_for(step), self.noise_for(step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        self.optimizer.set_lr(lr)
         self.model.train()
         out = self.compute_loss(item, step, noise_std)
         self.optimizer.zero_grad(set_to_none=True)
@@ -433,13 +427,5 @@ class DrafterTrainer:
         return {"optimizer": self.optimizer.state_dict(), **self.counters()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.apply_config_to_optimizer()
+        self.optimizer.load_state_dict(state["optimizer"])  # the resumed config's hyperparameters applied
         self.load_counters(state)
-
-    def apply_config_to_optimizer(self) -> None:
-        """A loaded optimizer state brings its saved hyperparameters; the resumed config's own win (lr is set
-        every step anyway), so `resume=RUN train.weight_decay=...` does what it says."""
-        for group in self.optimizer.param_groups:
-            group["betas"] = tuple(self.cfg.train.betas)
-            group["weight_decay"] = self.cfg.train.weight_decay

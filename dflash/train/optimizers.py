@@ -1,0 +1,133 @@
+"""The drafter's optimizer, chosen by the `optim` group: `adamw` (one AdamW over every trainable parameter) or `muon`
+(torch.optim.Muon over the hidden weight matrices, AdamW over the rest), behind one `DrafterOptimizer` that the
+trainer steps, the schedule sets the learning rate of, and the checkpoints save and load.
+
+Which parameters Muon takes: Muon orthogonalises the update of a weight matrix that maps one hidden space to
+another; torch.optim.Muon accepts only 2-D parameters, and its docstring (after Keller Jordan's write-up) keeps
+embeddings, the output layer, norms and biases on AdamW. The drafter has no trainable embedding or LM head (both
+are the target's, frozen), so its input and output layers never reach the optimizer. What remains 2-D are the
+attention and MLP projections and `fc`, which projects the target's concatenated hidden states (dense features,
+not a token lookup) into the drafter's hidden size: a hidden layer in Muon's sense, and speculators' Muon split
+(its RFC #979 defaults) puts it on Muon too. RMSNorm weights (1-D) go to AdamW. `optim.muon_exclude` moves named
+matrices (e.g. `[fc]`) to AdamW, to measure the other choice.
+
+Checkpoints: `adamw` saves AdamW's own state_dict (the format of every earlier checkpoint); `muon` saves
+{"muon": ..., "adamw": ...}. Sharded (DCP) checkpoints pass `parts` to torch.distributed.checkpoint, which keys
+both optimizers' state by parameter name.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dflash.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def split_for_muon(named_params, exclude=()) -> tuple[list, list]:
+    """(Muon's, AdamW's) parameters, in `named_params` order: Muon takes the 2-D matrices (both sides > 1) whose
+    names contain none of `exclude`; AdamW the rest."""
+    muon, adamw = [], []
+    for name, p in named_params:
+        if not p.requires_grad:
+            continue
+        matrix = p.ndim == 2 and min(p.shape) > 1 and not any(part in name for part in exclude)
+        (muon if matrix else adamw).append(p)
+    return muon, adamw
+
+
+class DrafterOptimizer:
+    """One or two torch optimizers stepped together. `parts` maps a part's name to its optimizer."""
+
+    def __init__(self, model: torch.nn.Module, optim_cfg, lr: float):
+        self.cfg = optim_cfg
+        self.name = optim_cfg.name
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if self.name == "adamw":
+            self.parts = {"adamw": self._adamw([p for _, p in named], lr)}
+        elif self.name == "muon":
+            muon, adamw = split_for_muon(named, tuple(optim_cfg.muon_exclude))
+            if not muon:
+                raise ConfigError("optim=muon found no 2-D weight matrix to optimize (optim.muon_exclude took all)")
+            self.parts = {
+                "muon": torch.optim.Muon(
+                    muon,
+                    lr=lr * optim_cfg.muon_lr_ratio,
+                    weight_decay=optim_cfg.muon_weight_decay,
+                    momentum=optim_cfg.muon_momentum,
+                    ns_steps=optim_cfg.muon_ns_steps,
+                    adjust_lr_fn=optim_cfg.muon_adjust_lr,
+                )
+            }
+            if adamw:
+                self.parts["adamw"] = self._adamw(adamw, lr)
+            log.info("optim=muon: %d matrices by Muon, %d other parameters by AdamW", len(muon), len(adamw))
+        else:
+            raise ConfigError(f"optim={self.name!r} is invalid: must be one of adamw, muon")
+
+    def _adamw(self, params, lr: float) -> torch.optim.AdamW:
+        return torch.optim.AdamW(params, lr=lr, betas=tuple(self.cfg.betas), weight_decay=self.cfg.weight_decay)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.parts.values() for g in opt.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: s for opt in self.parts.values() for p, s in opt.state.items()}
+
+    def set_lr(self, lr: float) -> None:
+        """The schedule's lr for this step (Muon's scaled by optim.muon_lr_ratio)."""
+        for name, opt in self.parts.items():
+            for group in opt.param_groups:
+                group["lr"] = lr * self.cfg.muon_lr_ratio if name == "muon" else lr
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.parts.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for opt in self.parts.values():
+            opt.step()
+
+    def state_dict(self) -> dict:
+        if self.name == "adamw":
+            return self.parts["adamw"].state_dict()
+        return {name: opt.state_dict() for name, opt in self.parts.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = saved_optimizer(state)
+        if saved != self.name:
+            raise ConfigError(
+                f"the checkpoint's optimizer state is optim={saved}'s, this run's optimizer is optim={self.name}: "
+                f"resume with optim={saved}, or start a new run from its weights with model.init_from=RUN_DIR"
+            )
+        for name, part_state in self.split_state(state).items():
+            self.parts[name].load_state_dict(part_state)
+        self.apply_config()
+
+    def split_state(self, state: dict) -> dict:
+        """A saved state_dict as {part name: that optimizer's state_dict}."""
+        return {"adamw": state} if self.name == "adamw" else state
+
+    def apply_config(self) -> None:
+        """A loaded state brings its saved hyperparameters; the resumed config's own win (lr is set every step
+        anyway), so `resume=RUN optim.weight_decay=...` does what it says."""
+        for name, opt in self.parts.items():
+            for group in opt.param_groups:
+                if name == "muon":
+                    group["weight_decay"] = self.cfg.muon_weight_decay
+                    group["momentum"] = self.cfg.muon_momentum
+                    group["ns_steps"] = self.cfg.muon_ns_steps
+                    group["adjust_lr_fn"] = self.cfg.muon_adjust_lr
+                else:
+                    group["betas"] = tuple(self.cfg.betas)
+                    group["weight_decay"] = self.cfg.weight_decay
+
+
+def saved_optimizer(state: dict) -> str:
+    """Which optim option saved this single-process optimizer state: AdamW's own state_dict has `param_groups`."""
+    return "adamw" if "param_groups" in state else "muon"
