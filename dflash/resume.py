@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 _DATA_STREAM = "would change the data stream (the checkpoint's data position counts its batches) of"
 _FROZEN_ON_RESUME = {
     "model": "would change the model of",
+    "drafter": "would change the drafter family or its heads (the checkpoint's weights fit only them) of",
     "data": _DATA_STREAM,
     "train.batch_size": _DATA_STREAM,
     "train.seq_len": _DATA_STREAM,

@@ -242,3 +242,18 @@ def test_a_sweep_over_families_is_one_multirun(tmp_path, cache_dir):
         assert ("eval/conf_error" in summary) == is_dspark
     assert sum(json.loads((j / "drafter" / "config.json").read_text()).get("speculators_model_type") == "dspark"
                for j in jobs) == 2  # fmt: skip
+
+
+def test_a_resume_keeps_the_drafter_family(tmp_path):
+    from omegaconf import OmegaConf
+
+    from dflash.resume import resume_config
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    OmegaConf.save(compose_config(["drafter=dspark"]), run_dir / "config_resolved.yaml")
+    for change in ("drafter=dflash", "drafter.markov_head_type=rnn"):
+        with pytest.raises(ConfigError, match="would change the drafter family or its heads"):
+            resume_config(compose_config([f"resume={run_dir}", change]), run_dir, [f"resume={run_dir}", change])
+    merged = resume_config(compose_config([f"resume={run_dir}"]), run_dir, [f"resume={run_dir}"])
+    assert merged.drafter.name == "dspark"  # the saved run's family, not the default's
