@@ -199,13 +199,14 @@ def memory_parts(
     cpu = device == "cpu"
     kv_width = d.kv_heads * d.head_dim
     window = effective_window(m, S)
+    sdpa = m.attention == "sdpa" or (m.attention == "auto" and cpu)  # trainer.training_attention's choice
     keys = S + A * B if window is None else window - 1 + B  # keys a block query is scored against
     per_layer = (
         T * (6 * H + 2 * d.heads * d.head_dim + 3 * d.intermediate)  # block stream, q, o, MLP
         + (ctx + T) * (H + 4 * kv_width + 2 * d.heads * d.head_dim * (d.heads // d.kv_heads > 1))  # keys/values
         # a CPU's SDPA keeps the attention probabilities for backward; a GPU's fused kernels keep only the mask
         + bsz * A * B * keys * (2 * d.heads if cpu else 1) // (1 if cpu else w)
-        + (bsz * A * (keys - B) * 2 * d.heads * d.head_dim if window else 0)  # a window's per-block context K/V
+        + (bsz * A * (keys - B) * 2 * kv_width if window and sdpa else 0)  # sdpa's per-block window K/V copies
     )
     target_act = ctx * H * (t.layers + 2 + d.features) + max(
         3 * ctx * t.intermediate, bsz * t.heads * S * S if cpu else 0

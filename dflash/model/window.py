@@ -73,12 +73,14 @@ class WindowedBlocks:
         ).reshape(bsz * n, 1, B, span + B)
         idx = ctx_pos.clamp(min=0).reshape(bsz, 1, n * span, 1).expand(bsz, kv_heads, n * span, d)
 
-        def per_block(x: torch.Tensor) -> torch.Tensor:  # (bsz, kv_heads, S + N*B, d) -> (bsz*N, heads, span+B, d)
+        def per_block(x: torch.Tensor) -> torch.Tensor:  # (bsz, kv_heads, S + N*B, d) -> (bsz*N, kv_heads, span+B, d)
             ctx = x[:, :, :S].gather(2, idx).view(bsz, kv_heads, n, span, d)
             own = x[:, :, S:].reshape(bsz, kv_heads, n, B, d)
-            out = torch.cat([ctx, own], dim=3).transpose(1, 2).reshape(bsz * n, kv_heads, span + B, d)
-            return out.repeat_interleave(heads // kv_heads, dim=1) if kv_heads != heads else out
+            return torch.cat([ctx, own], dim=3).transpose(1, 2).reshape(bsz * n, kv_heads, span + B, d)
 
         qb = q.reshape(bsz, heads, n, B, d).transpose(1, 2).reshape(bsz * n, heads, B, d)
-        out = F.scaled_dot_product_attention(qb, per_block(k), per_block(v), attn_mask=mask)
+        # grouped-query heads share the gathered keys (no per-head copies of the windows)
+        out = F.scaled_dot_product_attention(
+            qb, per_block(k), per_block(v), attn_mask=mask, enable_gqa=heads != kv_heads
+        )
         return out.reshape(bsz, n, heads, B, d).transpose(1, 2).reshape(bsz, heads, q_len, d)

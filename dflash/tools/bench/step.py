@@ -1,0 +1,171 @@
+"""`python -m dflash.bench step`: one drafter training step (blocks, drafter forward, the fused chunked loss,
+backward) at a long sequence, full attention against `model.sliding_window` sizes, each in a fresh subprocess and
+printed side by side.
+
+The step is the trainer's: anchors drawn over the sequence, `build_training_blocks` with the window (CPU: sdpa, so
+full attention scores every block against all S + N*B keys and a window per block against W - 1 + B), the drafter's
+forward and backward through `dflash_loss` (ce_decay). Inputs are random at the widths the options give (default: a
+1-layer drafter of 1024 hidden units, 16 heads of 64, 4 KV heads). Peak memory is the rise of the worker's peak RSS
+(CPU) or max_memory_allocated (CUDA) over the mark taken once the inputs exist.
+
+Options: seq_len=4096 windows=none,512 anchors=64 block_size=16 batch=1 hidden=1024 heads=16 kv_heads=4
+head_dim=64 intermediate=2816 layers=1 features=2 vocab=8192 chunk_size=256 repeats=2 dtype=float32 device=cpu
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+from dflash.tools.bench.options import parse_opts
+
+STEP_DEFAULTS: dict[str, str] = {
+    "seq_len": "4096",
+    "windows": "none,512",
+    "anchors": "64",
+    "block_size": "16",
+    "batch": "1",
+    "hidden": "1024",
+    "heads": "16",
+    "kv_heads": "4",
+    "head_dim": "64",
+    "intermediate": "2816",
+    "layers": "1",
+    "features": "2",
+    "vocab": "8192",
+    "chunk_size": "256",
+    "repeats": "2",
+    "dtype": "float32",
+    "device": "cpu",
+}
+
+
+def _drafter(o: dict, window: int | None):
+    from transformers import Qwen3Config
+
+    from dflash.model.drafter import DFlashDraftModel
+
+    layers = int(o["layers"])
+    cfg = Qwen3Config(
+        vocab_size=int(o["vocab"]),
+        hidden_size=int(o["hidden"]),
+        intermediate_size=int(o["intermediate"]),
+        num_hidden_layers=layers,
+        num_attention_heads=int(o["heads"]),
+        num_key_value_heads=int(o["kv_heads"]),
+        head_dim=int(o["head_dim"]),
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        use_sliding_window=window is not None,
+        sliding_window=window,
+        max_window_layers=layers,
+        layer_types=["full_attention" if window is None else "sliding_attention"] * layers,
+    )
+    B = int(o["block_size"])
+    cfg.dflash_config = {"mask_token_id": 0, "target_layer_ids": list(range(int(o["features"]))), "block_size": B}
+    cfg.block_size, cfg.num_target_layers = B, int(o["features"])
+    return DFlashDraftModel(cfg)
+
+
+def _worker(args: list[str]) -> None:
+    """Child process: one window, `repeats` steps, one JSON line."""
+    import torch
+
+    from dflash.model.blocks import build_training_blocks, sample_anchors
+    from dflash.model.losses import dflash_loss
+    from dflash.model.window import draft_window
+
+    window, o = (None if args[0] == "none" else int(args[0])), json.loads(args[1])
+    device, dtype = torch.device(o["device"]), getattr(torch, o["dtype"])
+    S, B, bsz, H, V = int(o["seq_len"]), int(o["block_size"]), int(o["batch"]), int(o["hidden"]), int(o["vocab"])
+    torch.manual_seed(0)
+    drafter = _drafter(o, window).to(device, dtype)
+    g = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(1, V, (bsz, S), generator=g, device=device)
+    feats = torch.randn(bsz, S, int(o["features"]) * H, generator=g, device=device, dtype=dtype)
+    embed = torch.randn(V, H, generator=g, device=device, dtype=dtype)
+    head = torch.randn(V, H, generator=g, device=device, dtype=dtype).mul_(H**-0.5)
+    loss_mask = torch.ones(bsz, S, dtype=torch.bool, device=device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    base_rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    times, peak_mb = [], 0.0
+    attention = "flex" if device.type == "cuda" else "sdpa"
+    for step in range(int(o["repeats"])):
+        drafter.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        anchors, valid = sample_anchors(loss_mask, int(o["anchors"]), B, torch.Generator().manual_seed(step))
+        anchors, valid = anchors.to(device), valid.to(device)
+        blocks = build_training_blocks(ids, loss_mask, anchors, valid, B, 0, attention, draft_window(drafter.config))
+        out = drafter(embed[blocks.input_ids], feats, blocks.position_ids, attention_mask=blocks.attention_mask)
+        n = anchors.shape[1]
+        draft = out.view(bsz, n, B, -1)[:, :, 1:].reshape(bsz * n, B - 1, -1)
+        kw = dict(decay_gamma=7.0, kl_temperature=1.0, kl_weight=0.0, streak_alpha=0.0)
+        loss = dflash_loss(
+            draft, blocks.labels.reshape(bsz * n, B - 1), blocks.label_valid.reshape(bsz * n, B - 1), head,
+            loss_name="ce_decay", block_size=B, chunk_size=int(o["chunk_size"]), **kw,
+        ).loss  # fmt: skip
+        loss.backward()
+        sync()
+        times.append(time.perf_counter() - t0)
+        if device.type == "cuda":
+            peak_mb = max(peak_mb, (torch.cuda.max_memory_allocated(device) - base) / 2**20)
+        else:
+            peak_mb = max(peak_mb, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss_kb) / 1024)
+    mask = type(blocks.attention_mask).__name__
+    print(json.dumps({"peak_mb": peak_mb, "times_s": times, "loss": loss.item(), "mask": mask}))
+
+
+def _run_worker(window: str, opts: dict[str, str]) -> dict:
+    cmd = [sys.executable, "-m", "dflash.tools.bench.step", "_worker", window, json.dumps(opts)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    if proc.returncode != 0:
+        raise SystemExit(f"window={window} worker failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def bench(args: list[str]) -> None:
+    """Full attention against sliding windows: step time and peak memory of one drafter training step."""
+    import torch
+
+    o = parse_opts(args, STEP_DEFAULTS)
+    windows = [w.strip() for w in o["windows"].split(",") if w.strip()]
+    S, n, B = int(o["seq_len"]), int(o["anchors"]), int(o["block_size"])
+    print(
+        f"step bench: drafter training step (forward + backward, ce_decay), seq_len {S}, {n} anchors x block {B}, "
+        f"batch {o['batch']}, {o['layers']} layer(s) of hidden {o['hidden']} ({o['heads']} heads x {o['head_dim']}, "
+        f"{o['kv_heads']} KV heads), vocab {o['vocab']}, {o['dtype']} on {o['device']}, "
+        f"{torch.get_num_threads()} torch threads, {o['repeats']} repeats"
+    )
+    print("memory: rise of the worker's peak RSS (CPU) / max_memory_allocated (CUDA) over the mark after inputs")
+    results = {w: _run_worker(w, o) for w in windows}
+    print(f"{'window':<8} {'keys/query':>10} {'mask':>22} {'peak MiB':>10} {'best s':>8} {'all s':>16} {'loss':>10}")
+    for w, r in results.items():
+        keys = S + n * B if w == "none" or int(w) >= S else int(w) - 1 + B
+        all_s = ", ".join(f"{t:.2f}" for t in r["times_s"])
+        print(
+            f"{w:<8} {keys:>10} {r['mask']:>22} {r['peak_mb']:>10.0f} {min(r['times_s']):>8.2f} {all_s:>16} "
+            f"{r['loss']:>10.4f}"
+        )
+    if "none" in results:
+        ref = results["none"]
+        for w, r in results.items():
+            if w != "none":
+                print(
+                    f"window {w} / full: peak memory {r['peak_mb'] / max(ref['peak_mb'], 1e-9):.2f}x, "
+                    f"time {min(r['times_s']) / min(ref['times_s']):.2f}x"
+                )
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["_worker"]:  # one window, in its own process
+    _worker(sys.argv[2:])
