@@ -29,7 +29,7 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # Allowed values: the one home of each list. validate() checks against them; the modules that dispatch on
 # them and the CLIs import them from here.
 LOSS_NAMES = ("ce_decay", "kl", "kl_streak", "dpace")
-DRAFTER_NAMES = ("dflash", "dspark")  # dflash/model/families/
+DRAFTER_NAMES = ("dflash", "dspark", "dflash2")  # dflash/model/families/
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 SCHEDULE_NAMES = ("cosine", "constant", "wsd")
 OPTIM_NAMES = ("adamw", "muon")
@@ -78,6 +78,10 @@ READ_ONLY_BY.update(
         "drafter.markov_head_type": ("dspark",),
         "drafter.confidence_head": ("dspark",),
         "drafter.confidence_head_with_markov": ("dspark",),
+        "drafter.conv_kernel_size": ("dflash2",),
+        "drafter.conv_group_size": ("dflash2",),
+        "drafter.selector_rank": ("dflash2",),
+        "drafter.selector_top_k": ("dflash2",),
     }
 )
 
@@ -160,6 +164,9 @@ class LossConfig:
     # the confidence head's BCE against that acceptance rate, decay-weighted; null = 1.0 where the drafter has a
     # confidence head (a value without one is refused)
     confidence_weight: float | None = None
+    # DFlash2's selector term (model/families/dflash2_loss.py): its k-way CE, decay-weighted; null = 1.0 with
+    # drafter=dflash2 (a value with another drafter is refused)
+    selector_weight: float | None = None
 
 
 @dataclass
@@ -169,7 +176,7 @@ class DrafterConfig:
     drafted position conditions on the token before it in the block, chosen sequentially at decoding) and a
     confidence head (each position's acceptance probability)."""
 
-    name: str = "dflash"  # dflash | dspark
+    name: str = "dflash"  # dflash | dspark | dflash2
     # dspark: the anchor's slot predicts too (speculators' sample_from_anchor), so a forward of model.block_size - 1
     # slots [anchor, MASK...] drafts the model.block_size - 1 tokens a cycle verifies; false: DFlash's block of
     # model.block_size slots whose anchor slot predicts nothing
@@ -180,6 +187,12 @@ class DrafterConfig:
     )
     confidence_head: bool = True  # dspark: predict each drafted position's acceptance probability
     confidence_head_with_markov: bool = True  # dspark: the confidence head reads [hidden; W1[previous token]]
+    # dflash2 (inco.ai; speculators' DFlash2SpeculatorConfig): a dynamic causal convolution of conv_kernel_size taps
+    # over the block around each sublayer, channels in groups of conv_group_size (a divisor of the hidden size)
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256  # dflash2: rank of the candidate selector's codebooks
+    selector_top_k: int = 16  # dflash2: unary candidates the selector reranks per draft
 
 
 @dataclass

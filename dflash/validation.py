@@ -278,24 +278,39 @@ def _validate_drafter(c) -> None:
             f"drafter={d.name} has no confidence head to train: use drafter=dspark with drafter.confidence_head=true,"
             " or leave it null",
         )
+    if lo.get("selector_weight") is not None:
+        _check(lo.selector_weight >= 0, "loss.selector_weight", lo.selector_weight, "must be >= 0 (or null)")
+        _check(d.name == "dflash2", "loss.selector_weight", lo.selector_weight, "is DFlash2's: use drafter=dflash2")
+    if d.name == "dflash2":
+        _check(d.conv_kernel_size >= 1, "drafter.conv_kernel_size", d.conv_kernel_size, "must be >= 1")
+        _check(
+            d.conv_kernel_size <= c.model.block_size,
+            "drafter.conv_kernel_size",
+            d.conv_kernel_size,
+            f"must be <= model.block_size ({c.model.block_size}): its taps stay inside the block",
+        )
+        _check(d.conv_group_size >= 1, "drafter.conv_group_size", d.conv_group_size, "must be >= 1")
+        _check(d.selector_rank >= 1, "drafter.selector_rank", d.selector_rank, "must be >= 1")
+        _check(d.selector_top_k >= 1, "drafter.selector_top_k", d.selector_top_k, "must be >= 1")
+    if d.name != "dflash":
+        _check(
+            not c.eval.get("replay", False),
+            "eval.replay",
+            c.eval.get("replay"),
+            f"replay drafts as DFlash does (evaluation/replay.py); drafter={d.name} needs eval.replay=false",
+        )
+        _check(
+            c.parallel.name != "fsdp",
+            "parallel.name",
+            c.parallel.name,
+            f"drafter={d.name}'s heads run beside the drafter's forward, outside FSDP's sharded forward: use ddp",
+        )
     if d.name == "dspark":
         _check(
             not (d.confidence_head and d.confidence_head_with_markov and d.markov_rank == 0),
             "drafter.confidence_head_with_markov",
             d.confidence_head_with_markov,
             "needs a Markov head (drafter.markov_rank > 0), or set it false",
-        )
-        _check(
-            not c.eval.get("replay", False),
-            "eval.replay",
-            c.eval.get("replay"),
-            "replay drafts as DFlash does (evaluation/replay.py); drafter=dspark needs eval.replay=false",
-        )
-        _check(
-            c.parallel.name != "fsdp",
-            "parallel.name",
-            c.parallel.name,
-            "drafter=dspark's heads run beside the drafter's forward, outside FSDP's sharded forward: use ddp",
         )
 
 

@@ -40,6 +40,10 @@ def _drafter(tiny_dir, *overrides: str, seed: int = 0):
         (["drafter=dspark", "drafter.markov_rank=0"], "drafter.confidence_head_with_markov=True is invalid"),
         (["drafter=dspark", "parallel=fsdp"], "parallel.name='fsdp' is invalid"),
         (["drafter=dspark", "eval.replay=true"], "eval.replay=True is invalid"),
+        (["drafter=dspark", "loss.selector_weight=1"], "loss.selector_weight=1.0 is invalid: is DFlash2's"),
+        (["drafter=dflash2", "drafter.conv_kernel_size=9"], "drafter.conv_kernel_size=9 is invalid"),
+        (["drafter=dflash2", "loss.tv_weight=1"], "the total-variation term is DSpark's"),
+        (["drafter=dflash2", "parallel=fsdp"], "parallel.name='fsdp' is invalid"),
         (["drafter=dspark", "drafter.markov_head_type=lstm"], "drafter.markov_head_type='lstm' is invalid"),
     ],
 )
@@ -177,6 +181,68 @@ def test_confidence_calibration_counts_reached_positions():
     assert confidence_calibration([], []) == {}
 
 
+def test_an_untrained_dflash2_is_the_dflash_drafter(tiny_dir):
+    """The convolutions start as the identity: with the backbone's weights, DFlash2's blocks equal DFlash's."""
+    _, dflash = _drafter(tiny_dir)
+    _, dflash2 = _drafter(tiny_dir, "drafter=dflash2", "drafter.selector_rank=8", "drafter.selector_top_k=4")
+    missing, unexpected = dflash2.load_state_dict(dflash.state_dict(), strict=False)
+    assert not unexpected and all("conv" in k or "selector" in k for k in missing)
+    B, g = dflash.block_size, torch.Generator().manual_seed(0)
+    noise, ctx = torch.randn(1, 2 * B, 64, generator=g), torch.randn(1, 10, 128, generator=g)
+    pos = torch.cat([torch.arange(10), torch.arange(3, 3 + B), torch.arange(6, 6 + B)])[None]
+    assert torch.allclose(dflash(noise, ctx, pos), dflash2(noise, ctx, pos), atol=1e-6)
+    with torch.no_grad():  # a kernel that mixes slots changes a block's later slots only, never across blocks
+        dflash2.layers[0].attention_conv.base_kernel[:, 1].fill_(0.5)
+    moved = (dflash(noise, ctx, pos) - dflash2(noise, ctx, pos)).abs().amax(-1)[0]
+    assert moved.view(2, B)[:, 1:].min() > 0
+
+
+def test_dflash2_trains_its_convolutions_and_selector(tiny_dir):
+    overrides = ("drafter=dflash2", "drafter.selector_rank=8", "drafter.selector_top_k=4", "schedule.lr=0.01")
+    cfg, drafter = _drafter(tiny_dir, *overrides)
+    target = TargetModel.load(str(tiny_dir), [1, 2])
+    before = {k: v.clone() for k, v in drafter.state_dict().items() if "conv" in k or "selector" in k}
+    trainer = DrafterTrainer(cfg, target, drafter, MASK, total_steps=10)
+    ids = torch.randint(5, 500, (2, 48), generator=torch.Generator().manual_seed(0))
+    item = TargetForward(target, torch.device("cpu"))(
+        Batch(ids, torch.ones(2, 48, dtype=torch.bool), ids.numel(), 0, 0)
+    )
+    for _ in range(3):
+        trainer.train_on(item)
+    assert trainer.metrics()["train/loss_selector"] > 0
+    moved = {k for k, v in drafter.state_dict().items() if k in before and not torch.equal(v, before[k])}
+    assert moved == set(before)
+
+
+def test_dflash2_chooses_a_greedy_path_through_the_top_k_and_stays_lossless(tiny_dir):
+    _, drafter = _drafter(tiny_dir, "drafter=dflash2", "drafter.selector_rank=8", "drafter.selector_top_k=4")
+    with torch.no_grad():  # strong transitions, so the selector changes the unary argmax
+        drafter.candidate_selector.predecessor_codebook.mul_(2000.0)
+        drafter.candidate_selector.successor_codebook.mul_(100.0)
+    drafter.eval()
+    target = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    prompt = list(range(10, 30))
+    with torch.no_grad():
+        out = target(torch.tensor([prompt]), output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i + 1] for i in (1, 2)], dim=-1)[:, :-1]
+    B = drafter.block_size
+    drafts = DFlashProposer(drafter, target).propose(prompt, feats, B - 1)
+    hidden = DFlashProposer(drafter, target).block_hidden(prompt, feats, B)[1:]
+    unary = hidden @ target.get_output_embeddings().weight.T
+    prev, expect = prompt[-1], []
+    for j in range(B - 1):
+        cands = unary[j].topk(4).indices
+        score = unary[j, cands] + drafter.candidate_selector.transition(hidden[j], torch.tensor(prev), cands)
+        prev = int(cands[score.argmax()])
+        expect.append(prev)
+    assert drafts == expect and drafts != unary.argmax(-1).tolist()
+    assert all(d in unary[j].topk(4).indices.tolist() for j, d in enumerate(drafts))
+    assert (
+        speculative_generate(target, drafter, prompt, 24, B).tokens
+        == speculative_generate(target, None, prompt, 24, 1).tokens
+    )
+
+
 @pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
 def test_dspark_export_loads_with_speculators_own_classes(tiny_dir, tmp_path, head):
     pytest.importorskip("speculators", reason="the test-only install: pip install --no-deps speculators==0.9.0 ...")
@@ -217,10 +283,14 @@ def test_cost_per_draft_cycle_counts_the_heads_and_prints_every_family(capsys):
     # sample_from_anchor: one slot fewer; the bias, the rnn's joint projection and the confidence head per draft
     markov = 2 * 8 * 500 * 3 + 2 * (2 * 8 + 64) * 3 * 8 * 3 + 2 * (64 + 8) * 3
     assert proposal_flops(rnn, opts) == backbone(3) + 2 * 64 * 500 * 3 + markov
+    dflash2 = _drafter(opts, "dflash2", None)  # group 16: 4 groups; 2 taps; selector rank 8, top 16
+    conv = 2 * (2 * 64 * 2 * 2 * 4) * 4 + 2 * 2 * 2 * 2 * 64 * 4
+    selector = (2 * 64 + 1 + 2 * 16) * 8 * 3
+    assert proposal_flops(dflash2, opts) == backbone(4) + 2 * 64 * 500 * 3 + conv + selector
     bench(["hidden=64", "vocab=500", "layers=1", "heads=2", "kv_heads=1", "head_dim=32", "intermediate=128",
            "block=4", "ctx=8", "rank=8", "repeats=1", "warmup=0"])  # fmt: skip
     rows = capsys.readouterr().out.splitlines()[2:]
-    assert [r.split()[0] for r in rows] == ["dflash", "dspark/vanilla", "dspark/gated", "dspark/rnn"]
+    assert [r.split()[0] for r in rows] == ["dflash", "dspark/vanilla", "dspark/gated", "dspark/rnn", "dflash2"]
 
 
 @pytest.mark.slow
@@ -257,3 +327,37 @@ def test_a_resume_keeps_the_drafter_family(tmp_path):
             resume_config(compose_config([f"resume={run_dir}", change]), run_dir, [f"resume={run_dir}", change])
     merged = resume_config(compose_config([f"resume={run_dir}"]), run_dir, [f"resume={run_dir}"])
     assert merged.drafter.name == "dspark"  # the saved run's family, not the default's
+
+
+def test_dflash2_export_loads_with_speculators_own_classes(tiny_dir, tmp_path):
+    pytest.importorskip("speculators", reason="the test-only install: pip install --no-deps speculators==0.9.0 ...")
+    from speculators import SpeculatorModel
+    from speculators.models.dflash2.model_definitions import grouped_dynamic_conv
+
+    from dflash.model.export import export_drafter, load_drafter
+    from dflash.model.families.dflash2 import block_conv
+
+    _, drafter = _drafter(tiny_dir, "drafter=dflash2", "drafter.selector_rank=8", "drafter.selector_top_k=4")
+    with torch.no_grad():  # weights that are not the identity init, so the comparison means something
+        for name, param in drafter.named_parameters():
+            if "conv" in name or "selector" in name:
+                param.normal_(generator=torch.Generator().manual_seed(len(name)))
+    export_drafter(drafter, tmp_path / "out", target=str(tiny_dir))
+    theirs = SpeculatorModel.from_pretrained(str(tmp_path / "out"))
+    assert type(theirs).__name__ == "DFlash2DraftModel" and theirs.config.speculators_model_type == "dflash2"
+    assert theirs.config.block_size == drafter.block_size and not theirs.config.sample_from_anchor
+    assert theirs.config.speculators_config.proposal_methods[0].speculative_tokens == drafter.block_size - 1
+    their_state = theirs.state_dict()
+    for key, value in drafter.state_dict().items():
+        assert torch.equal(their_state[key], value), key
+    g = torch.Generator().manual_seed(0)
+    x, delta, base = torch.randn(2, 12, 64, generator=g), torch.randn(2, 12, 2, 4, generator=g), torch.randn(2, 64)
+    assert torch.allclose(
+        grouped_dynamic_conv(x, delta, base, block_size=4, group_size=16), block_conv(x, delta, base, 4, 16)
+    )
+    h, prev, cands = torch.randn(5, 64, generator=g), torch.randint(0, 500, (5,)), torch.randint(0, 500, (5, 4))
+    ours = drafter.candidate_selector.transition(h, prev, cands)
+    assert torch.allclose(theirs.candidate_selector.transition_scores(h, prev, cands), ours, atol=1e-6)
+    back = load_drafter(tmp_path / "out")
+    assert type(back) is type(drafter) and back.config.dflash2_config == drafter.config.dflash2_config
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), drafter.state_dict().values()))

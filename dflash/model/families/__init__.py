@@ -6,6 +6,8 @@ family is evaluation/family_decoding.py's; the speculators export layout is fami
 
     dflash   z-lab's drafter (model/drafter.py), its fused loss (model/losses.py)
     dspark   DFlash + a Markov logit bias and a confidence head (families/dspark.py, families/dspark_loss.py)
+    dflash2  DFlash + dynamic convolutions on the draft positions and a top-k candidate selector (families/dflash2.py,
+             families/dflash2_loss.py)
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.config import default_decay_gamma
 from dflash.model.blocks import TrainingBlocks, build_training_blocks
 from dflash.model.drafter import DFlashDraftModel
+from dflash.model.families.dflash2 import DFlash2DraftModel, configure_dflash2
+from dflash.model.families.dflash2_loss import selector_loss
 from dflash.model.families.dspark import DSparkDraftModel, configure_dspark
 from dflash.model.families.dspark_loss import dspark_loss
 from dflash.model.losses import LossOutput, dflash_loss
@@ -36,6 +41,7 @@ def _configure_dflash(config, drafter_cfg) -> None:
 FAMILIES = {
     "dflash": Family("dflash", DFlashDraftModel, _configure_dflash),
     "dspark": Family("dspark", DSparkDraftModel, configure_dspark),
+    "dflash2": Family("dflash2", DFlash2DraftModel, configure_dflash2),
 }
 
 
@@ -134,6 +140,17 @@ def family_loss(
         weight_denominator=weight_denominator,
     )
     labels, valid = blocks.labels.reshape(n, block_size - 1), blocks.label_valid.reshape(n, block_size - 1)
+    if isinstance(drafter, DFlash2DraftModel):  # the unary loss is DFlash's; the selector's k-way CE beside it
+        out = dflash_loss(draft_hidden, labels, valid, lm_head_weight, **common)
+        gamma = default_decay_gamma(block_size) if loss_cfg.decay_gamma is None else loss_cfg.decay_gamma
+        sel = selector_loss(
+            draft_hidden, previous_tokens(blocks, input_ids), valid, lm_head_weight, teacher_hidden,
+            drafter.candidate_selector, block_size, gamma, loss_cfg.chunk_size, weight_denominator,
+        )  # fmt: skip
+        weight = 1.0 if loss_cfg.get("selector_weight") is None else loss_cfg.selector_weight
+        out.loss = out.loss + weight * sel
+        out.extra["train/loss_selector"] = sel.detach()
+        return out
     if not isinstance(drafter, DSparkDraftModel):
         return dflash_loss(draft_hidden, labels, valid, lm_head_weight, **common)
     z, conf = drafter.head_outputs(draft_hidden, previous_tokens(blocks, input_ids))

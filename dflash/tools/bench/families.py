@@ -1,8 +1,9 @@
 """`python -m dflash.bench families`: each drafter family's cost per draft cycle at the same block size, side by side.
 
-For dflash and dspark (each Markov head type), on one random target of the given widths: the drafter's parameters
-(the family's heads apart), the FLOPs of one proposal and its measured CPU latency (median over `repeats` calls of
-the verify loop's proposer, after `warmup`, with `ctx` positions of context already cached, as in decoding).
+For dflash, dspark (each Markov head type) and dflash2, on one random target of the given widths: the drafter's
+parameters (the family's own modules apart: heads, convolutions, selector), the FLOPs of one proposal and its
+measured CPU latency (median over `repeats` calls of the verify loop's proposer, after `warmup`, with `ctx` positions
+of context already cached, as in decoding).
 
 FLOPs of one proposal, forward only (2 per multiply-add), the slots S of one forward (dflash: block, dspark sampling
 from the anchor: block - 1) and K = block - 1 drafts:
@@ -11,6 +12,8 @@ from the anchor: block - 1) and K = block - 1 drafts:
   Markov     2 x rank x vocab x K (the bias) + gated: 2 x (hidden + rank) x rank x K, rnn: 2 x (2 rank + hidden)
              x 3 rank x K
   confidence 2 x (hidden [+ rank]) x K
+  dflash2    per layer, the two convolutions: 2 x (2 x hidden x 2 taps x hidden / group) x S (their kernels) +
+             2 x 2 x 2 x taps x hidden x S (input and output side); the selector: (2 hidden + 1 + 2 top_k) x rank x K
 The context's own K/V projection (fc, k_proj, v_proj of the accepted tokens) is the same for every family at equal
 acceptance and is left out. Options: hidden=512 vocab=32000 layers=2 heads=8 kv_heads=4 head_dim=64
 intermediate=1536 block=16 ctx=256 rank=256 repeats=20 warmup=3 threads=0 (0: torch's default).
@@ -70,7 +73,9 @@ def _drafter(opts: dict[str, int], family: str, head_type: str | None):
         ModelConfig(name="bench", target="random", block_size=opts["block"], num_draft_layers=opts["layers"])
     )
     config = build_drafter_config(target, model_cfg, [1, 2], 0)
-    drafter_cfg = DrafterConfig(name=family, markov_rank=opts["rank"], markov_head_type=head_type or "vanilla")
+    drafter_cfg = DrafterConfig(
+        name=family, markov_rank=opts["rank"], markov_head_type=head_type or "vanilla", selector_rank=opts["rank"]
+    )
     configure_family(config, drafter_cfg)
     return init_drafter(config, seed=0).eval()
 
@@ -81,7 +86,8 @@ def proposal_flops(drafter, opts: dict[str, int]) -> float:
 
     c = drafter.config
     S, K, H, V, ctx = draft_slots(drafter), drafter.block_size - 1, c.hidden_size, c.vocab_size, opts["ctx"]
-    layer_params = sum(p.numel() for p in drafter.layers.parameters()) / len(drafter.layers)
+    # the DFlash layer's own weights (dflash2's convolutions are counted below)
+    layer_params = sum(p.numel() for n, p in drafter.layers.named_parameters() if "conv" not in n) / len(drafter.layers)
     flops = 2 * layer_params * len(drafter.layers) * S
     flops += 4 * c.num_attention_heads * c.head_dim * len(drafter.layers) * S * (ctx + S) + 2 * H * V * K
     markov = getattr(drafter, "markov_head", None)
@@ -89,6 +95,14 @@ def proposal_flops(drafter, opts: dict[str, int]) -> float:
         r = markov.rank
         flops += 2 * r * V * K
         flops += {"vanilla": 0, "gated": 2 * (H + r) * r * K, "rnn": 2 * (2 * r + H) * 3 * r * K}[markov.head_type]
+    selector = getattr(drafter, "candidate_selector", None)
+    if selector is not None:
+        conv = drafter.layers[0].attention_conv
+        taps, groups = conv.kernel_size, conv.groups
+        per_layer = 2 * (2 * H * 2 * taps * groups) * S + 2 * 2 * 2 * taps * H * S
+        flops += per_layer * len(drafter.layers)
+        r = selector.hidden_projection.out_features
+        flops += (2 * H + 1 + 2 * selector.top_k) * r * K
     conf = getattr(drafter, "confidence_head", None)
     if conf is not None:
         flops += 2 * conf.proj.in_features * K
@@ -134,14 +148,22 @@ def bench(args: list[str]) -> None:
         )
     ).eval()  # only its embedding and LM head are used
     names, drafters = [], []
-    for family, head in (("dflash", None), ("dspark", "vanilla"), ("dspark", "gated"), ("dspark", "rnn")):
+    for family, head in (
+        ("dflash", None),
+        ("dspark", "vanilla"),
+        ("dspark", "gated"),
+        ("dspark", "rnn"),
+        ("dflash2", None),
+    ):
         names.append(family + (f"/{head}" if head else ""))
         drafters.append(_drafter(opts, family, head))
     with torch.no_grad():
         latencies = proposal_latencies_ms(drafters, target, opts)
     rows = []
     for name, drafter, ms in zip(names, drafters, latencies):
-        heads = sum(p.numel() for n, p in drafter.named_parameters() if n.split(".")[0].endswith("_head"))
+        heads = sum(
+            p.numel() for n, p in drafter.named_parameters() if any(w in n for w in ("_head", "conv", "selector"))
+        )
         total = sum(p.numel() for p in drafter.parameters())
         rows.append((name, total, heads, proposal_flops(drafter, opts), ms))
     base_flops, base_ms = rows[0][3], rows[0][4]
