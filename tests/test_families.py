@@ -295,23 +295,23 @@ def test_cost_per_draft_cycle_counts_the_heads_and_prints_every_family(capsys):
 
 @pytest.mark.slow
 def test_a_sweep_over_families_is_one_multirun(tmp_path, cache_dir):
-    proc = launch(
-        ["-m", "experiment=smoke", "drafter=dflash,dspark", "train.seed=0,1", "drafter.markov_rank=8",
-         "eval.baselines=false", f"hydra.sweep.dir={tmp_path}"],
-        cache_dir, timeout=900, check=True,
-    )  # fmt: skip
     import json
 
+    launch(
+        ["-m", "experiment=smoke", "drafter=dflash,dspark,dflash2", "train.seed=0,1", "drafter.markov_rank=8",
+         "drafter.selector_rank=8", "eval.baselines=false", f"hydra.sweep.dir={tmp_path}"],
+        cache_dir, timeout=1200, check=True,
+    )  # fmt: skip
     jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and (p / "summary.json").exists())
-    assert len(jobs) == 4, proc.stdout[-2000:]
+    layouts = []
     for job in jobs:
         summary = json.loads((job / "summary.json").read_text())
-        drafter_config = json.loads((job / "drafter" / "config.json").read_text())
-        is_dspark = drafter_config.get("speculators_model_type") == "dspark"  # else z-lab's layout
-        assert summary["status"] == "completed" and ("train/loss_tv" in summary) == is_dspark
-        assert ("eval/conf_error" in summary) == is_dspark
-    assert sum(json.loads((j / "drafter" / "config.json").read_text()).get("speculators_model_type") == "dspark"
-               for j in jobs) == 2  # fmt: skip
+        family = json.loads((job / "drafter" / "config.json").read_text()).get("speculators_model_type", "dflash")
+        layouts.append(family)  # dflash: z-lab's layout, the others speculators'
+        assert summary["status"] == "completed" and summary["eval/lossless"] == 1.0
+        assert ("train/loss_tv" in summary) == ("eval/conf_error" in summary) == (family == "dspark")
+        assert ("train/loss_selector" in summary) == (family == "dflash2")
+    assert sorted(layouts) == ["dflash", "dflash", "dflash2", "dflash2", "dspark", "dspark"]
 
 
 def test_a_resume_keeps_the_drafter_family(tmp_path):
