@@ -265,13 +265,16 @@ class _Backend:
         return {"backend": self.name}
 
     def complete(self, conversations):
+        from dflash.tools.regen_backends import TemplateRejects
+
         if self.fail_batch:
             raise RuntimeError("CUDA out of memory")
         self.asked += [list(c) for c in conversations]
         out = []
         for c in conversations:
             if c[0]["role"] != "user" and c[0]["role"] != "system":
-                out.append(ValueError("the chat template rejects the conversation (must start with user)"))
+                # as the hf backend reports it (regen_backends.TemplateRejects: failures are classified by type)
+                out.append(TemplateRejects("the chat template rejects the conversation (must start with user)"))
             else:
                 out.append(f"reply to {len(c)} turns")
         return out
