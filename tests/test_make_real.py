@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -36,17 +37,15 @@ def fake(tmp_path, monkeypatch):
             (store / "shard-0.safetensors").write_bytes(b"x")
         if cmd[1] == "launch.py":
             where = next(a.split("=", 1)[1] for a in cmd if a.startswith(("hydra.run.dir=", "resume=")))
-            (tmp_path / "out" / "run").mkdir(parents=True, exist_ok=True)
-            (tmp_path / "out" / "run" / "status.json").write_text(
-                json.dumps({"status": state.get("ends", "completed")})
-            )
-            assert where == str(tmp_path / "out" / "run")
+            Path(where).mkdir(parents=True, exist_ok=True)
+            (Path(where) / "status.json").write_text(json.dumps({"status": state.get("ends", "completed")}))
 
     monkeypatch.setattr(make_real.sharegpt_data, "ensure_target", ensure_target)
     monkeypatch.setattr(make_real.sharegpt_data, "make_data", make_data)
     monkeypatch.setattr(make_real, "_run", run)
     args = ["--out", str(tmp_path / "out"), f"paths.cache_dir={tmp_path / 'cache'}", f"model.target={target}"]
-    return SimpleNamespace(calls=calls, state=state, args=args, out=tmp_path / "out")
+    run = make_real.run_dir_for(make_real.parse_args(args))
+    return SimpleNamespace(calls=calls, state=state, args=args, out=tmp_path / "out", run=run)
 
 
 def _phases(out):
@@ -60,7 +59,7 @@ def test_the_phases_run_in_order_and_a_second_run_reuses_them(fake, capsys):
     assert not any(p["reused"] for p in phases.values()) and all(p["seconds"] >= 0 for p in phases.values())
     assert [c[1:3] for c in fake.calls] == [
         ["-m", "dflash.features"],
-        ["launch.py", f"hydra.run.dir={fake.out / 'run'}"],
+        ["launch.py", f"hydra.run.dir={fake.run}"],
     ]
     assert "experiment=smollm2_sharegpt" in fake.calls[0] and fake.calls[0][0] == sys.executable
 
@@ -78,4 +77,12 @@ def test_a_run_cut_short_is_resumed(fake):
     fake.state["ends"] = "completed"
     make_real.main(fake.args)
     (launch,) = [c for c in fake.calls if c[1] == "launch.py"]
-    assert launch[2:] == [f"resume={fake.out / 'run'}"]  # its own saved config, from its last checkpoint
+    assert launch[2:] == [f"resume={fake.run}"]  # its own saved config, from its last checkpoint
+
+
+def test_other_overrides_train_in_their_own_run_directory(fake):
+    make_real.main(fake.args)
+    fake.calls.clear()
+    make_real.main([*fake.args, "train.max_steps=100"])
+    (launch,) = [c for c in fake.calls if c[1] == "launch.py"]  # not the first run's, reused
+    assert launch[2].startswith("hydra.run.dir=") and launch[2] != f"hydra.run.dir={fake.run}"

@@ -6,7 +6,8 @@ end to end, one phase after another, each cached so that a second run reuses eve
              (OUT/regen.jsonl; python -m dflash.tools.sharegpt_data)
     store    the run's feature store (python -m dflash.features build experiment=smollm2_sharegpt)
     train    the drafter trained from the store, then its final eval: held-out prompts and the humaneval, sharegpt
-             and mt-bench suites (python launch.py experiment=smollm2_sharegpt, in OUT/run; resumed if cut short)
+             and mt-bench suites (python launch.py experiment=smollm2_sharegpt, in OUT/run, or OUT/run-<hash of
+             the overrides>; resumed if cut short)
 
 OVERRIDES (Hydra's, as for launch.py) go to every phase. Each phase shows its own progress; OUT/phases.json has each
 phase's seconds and whether it reused its cache, and the last lines print them with the run's tau per suite.
@@ -15,6 +16,7 @@ phase's seconds and whether it reused its cache, and the last lines print them w
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -77,8 +79,15 @@ def phase_store(cfg, common: list[str]) -> bool:
     return bool(before) and _files(root) == before
 
 
+def run_dir_for(args: argparse.Namespace) -> Path:
+    """OUT/run, or OUT/run-<hash> with overrides: a run made with other overrides is never reused for these."""
+    if not args.overrides:
+        return args.out / "run"
+    return args.out / f"run-{hashlib.sha256(' '.join(args.overrides).encode()).hexdigest()[:8]}"
+
+
 def phase_train(args: argparse.Namespace, common: list[str]) -> bool:
-    run_dir = args.out / "run"
+    run_dir = run_dir_for(args)
     status = _status(run_dir)
     if status == "completed":
         log.info("%s completed before: reused (delete it to train again)", run_dir)
@@ -131,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     timed("data", lambda: phase_data(args))
     timed("store", lambda: phase_store(cfg, common))
     timed("train", lambda: phase_train(args, common))
-    for line in summary_lines(args.out / "run", phases):
+    for line in summary_lines(run_dir_for(args), phases):
         print(line)
     return 0
 
