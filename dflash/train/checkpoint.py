@@ -8,7 +8,6 @@ so a directory truncated mid-write is never mistaken for a complete one.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -19,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.disk import remove_partial
+from dflash.hashing import file_sha256
 from dflash.jsonio import read_json
 from dflash.rundir import RunDir
 
@@ -95,11 +95,7 @@ def commit(tmp: Path, final: Path, meta: dict, keep_last: int) -> None:
 
 def file_digest(path: Path) -> dict:
     """{"bytes", "sha256"} of a file, read in 1 MiB pieces."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for piece in iter(lambda: f.read(1 << 20), b""):
-            h.update(piece)
-    return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
+    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 class CheckpointCorrupt(ValueError):

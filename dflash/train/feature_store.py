@@ -31,6 +31,7 @@ import torch
 
 from dflash.data.batches import Batch, rank_slice
 from dflash.disk import remove_partial
+from dflash.hashing import file_sha256
 from dflash.jsonio import read_json, write_json
 from dflash.train.feature_codec import bytes_per_value, decode, encode, scale_bytes
 from dflash.train.trainer import HiddenItem
@@ -45,14 +46,6 @@ class StoreMismatch(ValueError):
 
 class StoreCorrupt(ValueError):
     """A shard that is missing, cut short or changed since it was written."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for piece in iter(lambda: f.read(1 << 20), b""):
-            h.update(piece)
-    return h.hexdigest()
 
 
 def check_manifest(store: Path, expected: dict) -> dict:
@@ -136,7 +129,7 @@ class StoreWriter:
             remove_partial(tmp)
             raise
         path = self.store / name
-        entry = {"file": name, "sha256": _sha256(path), "bytes": path.stat().st_size}
+        entry = {"file": name, "sha256": file_sha256(path), "bytes": path.stat().st_size}
         self.entries[number] = {**entry, "batches": [list(key) for key, _ in self._pending], "rank": self.rank}
         self._pending = []
         if self.world_size == 1:
@@ -203,7 +196,7 @@ def verify_shard(store: Path, shard: dict, hash_it: bool = True) -> None:
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns, shard["sha256"])
     if not hash_it or key in _VERIFIED:
         return
-    if _sha256(path) != shard["sha256"]:
+    if file_sha256(path) != shard["sha256"]:
         raise bad
     _VERIFIED.add(key)
 

@@ -10,7 +10,6 @@ then loads the weights and returns what run.json records (`init_from`: where, an
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash.config import ConfigError
+from dflash.hashing import weights_sha256
 from dflash.rundir import CONFIG_FILE, RunDir
 from dflash.train.checkpoint import (
     META,
@@ -143,17 +143,6 @@ def load_init_weights(drafter: torch.nn.Module, source: InitSource) -> dict:
     record["weights_sha256"] = weights_sha256(weights)
     log.info("drafter initialised from %s (%s, weights sha256 %s)", source.path, source.kind, record["weights_sha256"])
     return record
-
-
-def weights_sha256(weights: dict[str, torch.Tensor]) -> str:
-    """sha256 over every tensor's name, dtype, shape and bytes in name order (the benchmark's drafter identity
-    recipe), whatever the file format."""
-    h = hashlib.sha256()
-    for name, t in sorted(weights.items()):
-        t = t.detach().to("cpu").contiguous()
-        h.update(f"{name} {t.dtype} {tuple(t.shape)}\n".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def _read_sharded(ckpt: Path, drafter: torch.nn.Module) -> dict[str, torch.Tensor]:
