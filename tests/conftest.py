@@ -107,3 +107,31 @@ def tiny_dir(tmp_path_factory) -> Path:
         ),
     )
     return d
+
+
+def biased_target_and_drafter(tiny_dir: Path, block_size: int):
+    """`tiny_dir`'s target with random weights and its LM head's row 0 scaled up, so its greedy output often is token
+    0, and a 1-layer drafter that always drafts token 0 (its final norm is zero, so every draft logit is 0): accepted
+    lengths then vary between 1 and B. Returns (target, drafter, tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+
+    from dflash.model.drafter import DFlashDraftModel
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    target = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in target.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+        target.get_output_embeddings().weight[0] *= 4.0
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32)  # fmt: skip
+    cfg.dflash_config = {"mask_token_id": tok.mask_token_id, "target_layer_ids": [1, 2], "block_size": block_size}
+    cfg.block_size, cfg.num_target_layers = block_size, 4
+    torch.manual_seed(0)
+    drafter = DFlashDraftModel(cfg).eval()
+    with torch.no_grad():
+        drafter.norm.weight.zero_()
+    return target, drafter, tok

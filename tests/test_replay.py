@@ -18,6 +18,7 @@ from dflash.evaluation.replay import (
     target_identity,
     trace_prompt,
 )
+from tests.conftest import biased_target_and_drafter
 
 B = 4
 N = 30
@@ -27,27 +28,11 @@ N = 30
 def setup(tiny_dir):
     """A random tiny target whose greedy output often is token 0 (so drafts are often accepted), a drafter that
     always drafts token 0 (its final norm is zero) and one whose drafts depend on the features it reads."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
-
     from dflash.model.drafter import DFlashDraftModel
 
-    tok = AutoTokenizer.from_pretrained(tiny_dir)
-    target = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in target.parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
-        target.get_output_embeddings().weight[0] *= 4.0
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=32)  # fmt: skip
-    cfg.dflash_config = {"mask_token_id": tok.mask_token_id, "target_layer_ids": [1, 2], "block_size": B}
-    cfg.block_size, cfg.num_target_layers = B, 4
-    torch.manual_seed(0)
-    zero = DFlashDraftModel(cfg).eval()
-    with torch.no_grad():
-        zero.norm.weight.zero_()
-    reading = DFlashDraftModel(cfg).eval()
+    target, zero, tok = biased_target_and_drafter(tiny_dir, B)
+    g = torch.Generator().manual_seed(3)  # a seed whose drafts vary (the test checks that they do)
+    reading = DFlashDraftModel(zero.config).eval()
     with torch.no_grad():  # weights large enough that the drafts follow the context
         for p in reading.parameters():
             if p.dim() == 2:

@@ -9,6 +9,7 @@ import torch
 from dflash.evaluation.decoding import speculative_generate
 from dflash.evaluation.evaluator import evaluate
 from dflash.evaluation.sim_tau import block_accept_lengths, replay
+from tests.conftest import biased_target_and_drafter
 
 B = 4
 
@@ -17,36 +18,9 @@ B = 4
 def setup(tiny_dir):
     """A random tiny target whose greedy output often is token 0, and a drafter that always drafts token 0 (its
     final norm is zero, so every draft logit is 0): accepted lengths then vary between 1 and B."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
-
-    from dflash.model.drafter import DFlashDraftModel
-
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    d = tiny_dir
-    tok = AutoTokenizer.from_pretrained(d)
-    target = AutoModelForCausalLM.from_pretrained(d).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in target.parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
-        target.get_output_embeddings().weight[0] *= 4.0
-    cfg = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-    )
-    cfg.dflash_config = {"mask_token_id": tok.mask_token_id, "target_layer_ids": [1, 2], "block_size": B}
-    cfg.block_size, cfg.num_target_layers = B, 4
-    torch.manual_seed(0)
-    drafter = DFlashDraftModel(cfg).eval()
-    with torch.no_grad():
-        drafter.norm.weight.zero_()
+    target, drafter, tok = biased_target_and_drafter(tiny_dir, B)
     texts = ("def foo(x):\n    return x + 1\n", "import os\n")
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     yield target, drafter, prompts
