@@ -4,6 +4,8 @@ a stop token's cycle; the traces are computed once and reused."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -160,3 +162,17 @@ def test_a_sweeps_jobs_share_the_traces(tmp_path, cache_dir, tiny_target):
         assert result["settings"]["replay"] is True and "lossless" not in result["metrics"]
         taus.append(summary["eval/tau"])
     assert len(list((tmp_path / "cache" / "replay").glob("*.safetensors"))) == 2 + 3  # 2 eval prompts, 3 turns
+
+
+def test_traces_of_a_sharded_target_change_with_any_shard(tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    (target / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": shards[0], "b": shards[1]}}))
+    for name in shards:
+        (target / name).write_bytes(b"weights")
+    settings = {"max_new_tokens": N, "block_size": B, "layer_ids": [1, 2], "dtype": "float32"}
+    before = TraceCache(tmp_path / "replay", target_identity(str(target)), settings).path([1, 2, 3])
+    (target / shards[1]).write_bytes(b"other weights")
+    assert TraceCache(tmp_path / "replay", target_identity(str(target)), settings).path([1, 2, 3]) != before

@@ -128,12 +128,12 @@ def replay_lookup(trace: Trace, max_new_tokens: int, block_size: int, ngram: int
     return walk(length, trace.continuation, max_new_tokens, eos)
 
 
-def target_identity(target_dir: str) -> dict:
-    """Who the traces are of: the target's hashed files (a hub name when it is not a directory)."""
-    from dflash.data.fingerprint import TARGET_FILES, hashed_files
+def target_identity(target: str) -> dict:
+    """Who the traces are of: the target's hashed files, every weight shard included (a hub name: its revision),
+    as the feature store's manifest names it."""
+    from dflash.data.fingerprint import target_hashes
 
-    files = hashed_files(Path(target_dir).expanduser(), (*TARGET_FILES, "build_info.json"))
-    return files or {"hub": str(target_dir)}
+    return target_hashes(str(target), extra=("build_info.json",))
 
 
 class TraceCache:
