@@ -33,7 +33,8 @@ def _conversation(i: int) -> dict:
 def _hf_backend(target: Path, max_new_tokens: int = 12):
     from dflash.tools.regen_backends import GenerationSettings, HFBackend
 
-    return HFBackend(str(target), GenerationSettings(max_new_tokens=max_new_tokens), device="cpu")
+    # float32, as the test's server runs the target: on a CPU with fast bf16 kernels `auto` would answer in bf16
+    return HFBackend(str(target), GenerationSettings(max_new_tokens=max_new_tokens), device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -135,6 +135,7 @@ def test_joblib_launcher_runs_jobs_in_parallel_processes(tmp_path, cache_dir, ti
             "hydra/launcher=joblib",
             "hydra.launcher.n_jobs=2",
             f"hydra.sweep.dir={sweep}",
+            "loss=kl_streak",  # the loss that reads streak_alpha: a sweep over a key no job reads is refused
             "loss.streak_alpha=0,1",
         ],
         cache_dir,

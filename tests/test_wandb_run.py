@@ -65,6 +65,7 @@ def test_multirun_jobs_share_a_group(tmp_path, cache_dir, tiny_target):
             f"hydra.sweep.dir={sweep}",
             "train.max_steps=3",
             "eval.num_prompts=0",
+            "loss=kl",  # reads kl_temperature (dpace, the default, does not: such a sweep is refused)
             "loss.kl_temperature=1,2",
         ],
         cache_dir,
