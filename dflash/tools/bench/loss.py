@@ -4,13 +4,11 @@
 from __future__ import annotations
 
 import json
-import os
 import resource
-import subprocess
 import sys
 import time
 
-from dflash.tools.bench.options import parse_opts
+from dflash.tools.bench.options import parse_opts, run_worker
 
 LOSS_DEFAULTS: dict[str, str] = {
     "blocks": "70",
@@ -90,14 +88,6 @@ def _worker(args: list[str]) -> None:
     )
 
 
-def _run_worker(variant: str, opts: dict[str, str]) -> dict:
-    cmd = [sys.executable, "-m", "dflash.tools.bench.loss", "_worker", variant, json.dumps(opts)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
-    if proc.returncode != 0:
-        raise SystemExit(f"{variant} worker failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def bench(args: list[str]) -> None:
     """Chunked fused loss vs full-logits loss: peak memory and time of forward + backward."""
     opts = parse_opts(args, LOSS_DEFAULTS)
@@ -114,7 +104,7 @@ def bench(args: list[str]) -> None:
         f"LM head: {vocab * int(opts['hidden']) * itemsize / 2**20:.0f} MiB"
     )
     print("memory: rise of the worker's peak RSS (CPU) / max_memory_allocated (CUDA) over the mark after inputs")
-    results = {v: _run_worker(v, opts) for v in ("naive", "chunked")}
+    results = {v: run_worker("dflash.tools.bench.loss", v, opts) for v in ("naive", "chunked")}
     print(f"{'variant':<9} {'peak MiB':>10} {'best s':>8} {'all s':>20} {'loss':>12} {'grad norm':>12}")
     for v, r in results.items():
         all_s = ", ".join(f"{t:.2f}" for t in r["times_s"])

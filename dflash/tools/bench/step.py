@@ -15,13 +15,11 @@ head_dim=64 intermediate=2816 layers=1 features=2 vocab=8192 chunk_size=256 repe
 from __future__ import annotations
 
 import json
-import os
 import resource
-import subprocess
 import sys
 import time
 
-from dflash.tools.bench.options import parse_opts
+from dflash.tools.bench.options import parse_opts, run_worker
 
 STEP_DEFAULTS: dict[str, str] = {
     "seq_len": "4096",
@@ -126,14 +124,6 @@ def _worker(args: list[str]) -> None:
     print(json.dumps({"peak_mb": peak_mb, "times_s": times, "loss": loss.item(), "mask": mask}))
 
 
-def _run_worker(window: str, opts: dict[str, str]) -> dict:
-    cmd = [sys.executable, "-m", "dflash.tools.bench.step", "_worker", window, json.dumps(opts)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
-    if proc.returncode != 0:
-        raise SystemExit(f"window={window} worker failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def bench(args: list[str]) -> None:
     """Full attention against sliding windows: step time and peak memory of one drafter training step."""
     import torch
@@ -148,7 +138,7 @@ def bench(args: list[str]) -> None:
         f"{torch.get_num_threads()} torch threads, {o['repeats']} repeats"
     )
     print("memory: rise of the worker's peak RSS (CPU) / max_memory_allocated (CUDA) over the mark after inputs")
-    results = {w: _run_worker(w, o) for w in windows}
+    results = {w: run_worker("dflash.tools.bench.step", w, o) for w in windows}
     print(f"{'window':<8} {'keys/query':>10} {'mask':>22} {'peak MiB':>10} {'best s':>8} {'all s':>16} {'loss':>10}")
     for w, r in results.items():
         keys = S + n * B if w == "none" or int(w) >= S else int(w) - 1 + B
