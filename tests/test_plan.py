@@ -52,6 +52,34 @@ def test_the_plan_splits_the_peak_and_fsdp_shards_the_drafter():
     assert all(bigger[s] >= fits[s] for s in fits)
 
 
+@pytest.mark.parametrize(("optim", "exclude"), [("adamw", "[]"), ("muon", "[]"), ("muon", "[fc]")])
+def test_planned_optimizer_state_is_the_real_optimizers_after_a_step(tiny_target, optim, exclude):
+    """AdamW keeps two moments per parameter, Muon one momentum buffer per matrix it takes (AdamW two for the
+    norms and optim.muon_exclude's matrices): the plan equals the bytes DrafterOptimizer holds after one step."""
+    import torch
+
+    from dflash.model.build import build_drafter_config
+    from dflash.model.drafter import DFlashDraftModel
+    from dflash.model.plan import planned_shape
+    from dflash.model.target import load_target_config
+    from dflash.train.optimizers import DrafterOptimizer
+
+    more = [f"optim.muon_exclude={exclude}"] if optim == "muon" else []
+    cfg = compose_config(["experiment=smoke", f"model.target={tiny_target}", f"optim={optim}", *more])
+    config = build_drafter_config(load_target_config(str(tiny_target)), cfg.model, list(cfg.model.target_layer_ids), 0)
+    drafter = DFlashDraftModel(config)
+    optimizer = DrafterOptimizer(drafter, cfg.optim, lr=1e-3)
+    for p in drafter.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    # AdamW's per-parameter `step` is a scalar counter, not state the size of a parameter
+    held = sum(v.nbytes for s in optimizer.state.values() for k, v in s.items() if k != "step")
+    shape, _ = planned_shape(cfg.model)
+    assert memory_parts(cfg, shape, 1, device="cpu")["optimizer state"] == held
+    params = sum(p.nbytes for p in drafter.parameters())
+    assert (held == 2 * params) == (optim == "adamw")  # Muon's state is smaller than AdamW's two moments
+
+
 def test_each_rank_is_planned_with_what_it_loads():
     """features=store: no rank runs the target's forward, and a rank without evals loads only the embedding and
     LM head (TargetHeads); under parallel.target_ranks the other drafter ranks are as lean and a target rank

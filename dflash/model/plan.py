@@ -11,7 +11,9 @@ target; a target rank holds the target and the link's items, no drafter.
   target weights        the target's parameters the rank loads (the whole target, or its embedding and LM head)
   drafter parameters    the drafter's parameters (fsdp: a 1/N shard)
   gradients             one per parameter (fsdp: a shard; ddp: twice, its buckets hold a copy)
-  optimizer state       AdamW's two moments in the parameters' dtype (fsdp: a shard)
+  optimizer state       in the parameters' dtype (fsdp: a shard): optim=adamw, AdamW's two moments per parameter;
+                        optim=muon, Muon's one momentum buffer per parameter it takes (model/muon_split.py's rule
+                        on the drafter built on the meta device) and AdamW's two for the rest
   fsdp gathered         fsdp: the largest unit unsharded during forward/backward, weights and gradients
   eval copy             ddp/fsdp: the full drafter gathered on rank 0 for an eval or the export (after
                         training: the larger of it and the fsdp gathered weights counts, never both)
@@ -29,6 +31,7 @@ target; a target rank holds the target and the link's items, no drafter.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from dflash.model.anchor_budget import planned_width
@@ -156,6 +159,55 @@ def drafter_shape(model_cfg, t: TargetShape) -> DrafterShape:
     return DrafterShape(n, features, heads, kv, hd, inter, layer, n * layer + features * t.hidden**2 + 2 * t.hidden)
 
 
+def optimizer_state_params(cfg, t: TargetShape, d: DrafterShape) -> int:
+    """Parameters' worth of optimizer state: AdamW keeps two moments per parameter (exp_avg, exp_avg_sq); under
+    optim=muon torch.optim.Muon keeps one momentum buffer per parameter it takes, AdamW two for the rest."""
+    optim = cfg.get("optim")
+    if optim is None or optim.name != "muon":
+        return 2 * d.params
+    muon, adamw = muon_split_params(t, d, tuple(optim.muon_exclude))
+    return muon + 2 * adamw
+
+
+@functools.lru_cache(maxsize=16)  # largest_fit plans hundreds of batch sizes with one drafter
+def muon_split_params(t: TargetShape, d: DrafterShape, exclude: tuple[str, ...]) -> tuple[int, int]:
+    """(Muon's, AdamW's) parameter counts under optim=muon: optim=muon's own rule (model/muon_split.py) applied to
+    the drafter of these shapes, built on the meta device (no memory, no weights)."""
+    from omegaconf import OmegaConf
+
+    from dflash.model.muon_split import split_for_muon
+
+    shape = {"num_draft_layers": d.layers, "draft_num_attention_heads": d.heads, "block_size": 1}
+    shape |= {"draft_num_key_value_heads": d.kv_heads, "draft_head_dim": d.head_dim}
+    drafter = meta_drafter(t, OmegaConf.create(shape | {"draft_intermediate_size": d.intermediate}), d.features)
+    muon, adamw = split_for_muon(drafter.named_parameters(), exclude)
+    return sum(p.numel() for p in muon), sum(p.numel() for p in adamw)
+
+
+def meta_drafter(t: TargetShape, model_cfg, features: int):
+    """The drafter build_drafter_config makes for a target of shape `t` reading `features` of its layers, on the
+    meta device: its parameters' names and shapes without memory."""
+    import torch
+    from transformers import Qwen3Config
+
+    from dflash.model.build import build_drafter_config
+    from dflash.model.drafter import DFlashDraftModel
+
+    target = Qwen3Config(
+        vocab_size=t.vocab,
+        hidden_size=t.hidden,
+        intermediate_size=t.intermediate,
+        num_hidden_layers=t.layers,
+        num_attention_heads=t.heads,
+        num_key_value_heads=t.kv_heads,
+        head_dim=t.head_dim,
+        max_position_embeddings=40960,
+    )
+    config = build_drafter_config(target, model_cfg, list(range(features)), mask_token_id=0)
+    with torch.device("meta"):
+        return DFlashDraftModel(config)
+
+
 def roles(cfg, nproc: int) -> list[str]:
     """The kinds of rank a run of `nproc` processes has (ROLES), rank 0 first."""
     target_ranks = (cfg.parallel.get("target_ranks") or 0) if nproc > 1 else 0
@@ -229,7 +281,7 @@ def memory_parts(
         "target weights": weights * w,
         "drafter parameters": d.params * w // shard,
         "gradients": d.params * w * (2 if name == "ddp" else 1) // shard,
-        "optimizer state": 2 * d.params * w // shard,
+        "optimizer state": optimizer_state_params(cfg, t, d) * w // shard,
         "fsdp gathered": 2 * unit * w if name == "fsdp" else 0,
         "eval copy": max(0, d.params * w - (2 * unit * w if name == "fsdp" else 0)) if name in ("ddp", "fsdp") else 0,
         "target activations": target_act * w if runs_target(cfg, nproc, role) else 0,

@@ -14,7 +14,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash.model.plan import KNOWN_TARGETS, TargetShape, flops_per_sequence
+from dflash.model.plan import KNOWN_TARGETS, TargetShape, flops_per_sequence, meta_drafter
 
 CONF_MODEL = Path(__file__).resolve().parents[2] / "conf" / "model"
 H200_BF16_TFLOPS = 989.4  # dense bf16 peak, no sparsity (as the pipeline bench uses)
@@ -50,27 +50,8 @@ STORE_DTYPES = ("float32", "bfloat16", "fp8")
 def drafter_params(target: Target) -> int:
     """The parameters of the drafter the framework builds for this target (build_drafter_config from the
     model preset), counted on the meta device: what the planner's formula must equal."""
-    import torch
-    from transformers import Qwen3Config
-
-    from dflash.model.build import build_drafter_config
-    from dflash.model.drafter import DFlashDraftModel
-
-    t, model_cfg = target.shape, target.model_config()
-    target_config = Qwen3Config(
-        vocab_size=t.vocab,
-        hidden_size=t.hidden,
-        intermediate_size=t.intermediate,
-        num_hidden_layers=t.layers,
-        num_attention_heads=t.heads,
-        num_key_value_heads=t.kv_heads,
-        head_dim=t.head_dim,
-        max_position_embeddings=40960,
-    )
-    layer_ids = list(model_cfg.target_layer_ids)
-    config = build_drafter_config(target_config, model_cfg, layer_ids, model_cfg.mask_token_id)
-    with torch.device("meta"):
-        drafter = DFlashDraftModel(config)
+    model_cfg = target.model_config()
+    drafter = meta_drafter(target.shape, model_cfg, len(model_cfg.target_layer_ids))
     return sum(p.numel() for p in drafter.parameters())
 
 

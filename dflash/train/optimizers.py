@@ -9,7 +9,8 @@ are the target's, frozen), so its input and output layers never reach the optimi
 attention and MLP projections and `fc`, which projects the target's concatenated hidden states (dense features,
 not a token lookup) into the drafter's hidden size: a hidden layer in Muon's sense, and speculators' Muon split
 (its RFC #979 defaults) puts it on Muon too. RMSNorm weights (1-D) go to AdamW. `optim.muon_exclude` moves named
-matrices (e.g. `[fc]`) to AdamW, to measure the other choice.
+matrices (e.g. `[fc]`) to AdamW, to measure the other choice. The rule itself is dflash/model/muon_split.py's, which
+the plan shares to size the optimizer state.
 
 Checkpoints: `adamw` saves AdamW's own state_dict (the format of every earlier checkpoint); `muon` saves
 {"muon": ..., "adamw": ...}. Sharded (DCP) checkpoints pass `parts` to torch.distributed.checkpoint, which keys
@@ -23,20 +24,9 @@ import logging
 import torch
 
 from dflash.config import ConfigError
+from dflash.model.muon_split import split_for_muon
 
 log = logging.getLogger(__name__)
-
-
-def split_for_muon(named_params, exclude=()) -> tuple[list, list]:
-    """(Muon's, AdamW's) parameters, in `named_params` order: Muon takes the 2-D matrices (both sides > 1) whose
-    names contain none of `exclude`; AdamW the rest."""
-    muon, adamw = [], []
-    for name, p in named_params:
-        if not p.requires_grad:
-            continue
-        matrix = p.ndim == 2 and min(p.shape) > 1 and not any(part in name for part in exclude)
-        (muon if matrix else adamw).append(p)
-    return muon, adamw
 
 
 class DrafterOptimizer:
