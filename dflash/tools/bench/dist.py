@@ -48,7 +48,7 @@ def _worker(args: list[str]) -> None:
     from dflash.distributed import init_world
     from dflash.model.build import build_drafter_config, init_drafter
     from dflash.model.target import TargetModel
-    from dflash.tools.bench.pipeline import SHAPES, _config
+    from dflash.tools.bench.pipeline import SHAPES, _config, random_target_overrides
     from dflash.train.parallelize import parallelize_drafter
     from dflash.train.trainer import DrafterTrainer, TargetForward
 
@@ -59,7 +59,7 @@ def _worker(args: list[str]) -> None:
     bsz, seq, steps, warmup = (int(opts[k]) for k in ("batch_size", "seq_len", "steps", "warmup"))
     global_bsz = bsz * world.size
     cfg_opts = {**opts, "batch_size": str(global_bsz), "dtype": "float32", "device": str(world.device.type)}
-    cfg = _config(cfg_opts, target_dir, int(opts["num_anchors"]))
+    cfg = _config(cfg_opts, random_target_overrides(target_dir), int(opts["num_anchors"]))
     cfg.parallel.name = opts["parallel"]
     target = TargetModel.load(str(target_dir), [1, 3], "float32", str(world.device))
     drafter = init_drafter(build_drafter_config(target.model.config, cfg.model, [1, 3], 1), 0, world.device)

