@@ -294,12 +294,6 @@ def _validate_drafter(c) -> None:
         _check(d.selector_top_k >= 1, "drafter.selector_top_k", d.selector_top_k, "must be >= 1")
     if d.name != "dflash":
         _check(
-            not c.eval.get("replay", False),
-            "eval.replay",
-            c.eval.get("replay"),
-            f"replay drafts as DFlash does (evaluation/replay.py); drafter={d.name} needs eval.replay=false",
-        )
-        _check(
             c.parallel.name != "fsdp",
             "parallel.name",
             c.parallel.name,

@@ -39,7 +39,6 @@ def _drafter(tiny_dir, *overrides: str, seed: int = 0):
         (["drafter=dspark", "drafter.confidence_head=false", "loss.confidence_weight=1"], "has no confidence head"),
         (["drafter=dspark", "drafter.markov_rank=0"], "drafter.confidence_head_with_markov=True is invalid"),
         (["drafter=dspark", "parallel=fsdp"], "parallel.name='fsdp' is invalid"),
-        (["drafter=dspark", "eval.replay=true"], "eval.replay=True is invalid"),
         (["drafter=dspark", "loss.selector_weight=1"], "loss.selector_weight=1.0 is invalid: is DFlash2's"),
         (["drafter=dflash2", "drafter.conv_kernel_size=9"], "drafter.conv_kernel_size=9 is invalid"),
         (["drafter=dflash2", "loss.tv_weight=1"], "the total-variation term is DSpark's"),
@@ -56,6 +55,15 @@ def test_dspark_composes_with_every_loss_and_its_terms():
     for loss in ("ce_decay", "kl", "kl_streak", "dpace"):
         validate(compose_config(["drafter=dspark", f"loss={loss}", "loss.tv_weight=1", "loss.confidence_weight=0.5"]))
     assert compose_config([]).drafter.name == "dflash"  # the default is today's drafter
+
+
+@pytest.mark.parametrize("family", ["dspark", "dflash2"])
+def test_every_family_composes_with_replay_as_the_real_targets_sweep_runs_it(family):
+    """#38's comparison on the real target: each family in the loss ablation's sweep, tau by eval.replay (its
+    proposal rule replayed: tests/test_replay.py)."""
+    cfg = compose_config(["experiment=smollm2_ablation_loss", f"drafter={family}", "loss=dpace", "train.seed=1"])
+    validate(cfg)
+    assert cfg.eval.replay and cfg.drafter.name == family
 
 
 def test_anchor_sampling_runs_one_slot_fewer_with_dflash_labels(tiny_dir):

@@ -89,6 +89,108 @@ def test_replay_drafts_what_decoding_drafts_from_the_same_features(setup, monkey
         assert len({tuple(d) for d in proposed}) > 1  # the drafts vary with the context
 
 
+def _family_drafter(target, zero, name: str, **settings):
+    """A drafter of family `name` in the zero drafter's shape, its weights random and large enough that its drafts
+    follow the context and that its own rule (DSpark's Markov bias, DFlash2's transition scores) changes them; its
+    final norm passes only the channel where the target's LM head favours token 0 most, so that it often drafts
+    the biased target's favourite token and cycles accept drafts."""
+    import copy
+
+    from dflash.config import DrafterConfig
+    from dflash.model.families import configure_family, drafter_class
+
+    config = copy.deepcopy(zero.config)
+    configure_family(config, DrafterConfig(name=name, markov_rank=8, selector_rank=8, selector_top_k=4, **settings))
+    drafter = drafter_class(config)(config).eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        head = target.get_output_embeddings().weight
+        drafter.norm.weight.zero_()
+        drafter.norm.weight[int((head[0] - head[1:].amax(0)).argmax())] = 2.0
+    return drafter
+
+
+FAMILIES = {
+    "dspark": dict(markov_head_type="rnn"),
+    "dspark-dflash-block": dict(markov_head_type="gated", sample_from_anchor=False),
+    "dflash2": {},
+}
+
+
+def _record_proposals(monkeypatch) -> tuple[list, list]:
+    """What decoding's proposer proposes per cycle: its drafts and its confidence head's predictions."""
+    drafts, confidences = [], []
+    real_propose = decoding.DFlashProposer.propose
+
+    def recording(self, seq, new_features, num_draft):
+        out = real_propose(self, seq, new_features, num_draft)
+        drafts.append(list(out))
+        if self.confidences is not None:
+            confidences.append(self.confidences[-1])
+        return out
+
+    monkeypatch.setattr(decoding.DFlashProposer, "propose", recording)
+    return drafts, confidences
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replay_drafts_by_each_familys_own_rule_as_decoding_does(setup, monkeypatch, family):
+    """DSpark (its Markov head choosing inside the block, from the anchor's slot or DFlash's block) and DFlash2 (its
+    convolutions and selector): replay proposes, cycle for cycle, what decoding's proposer proposed, so it accepts
+    the same lengths; a confidence head's predictions are decoding's up to float round-off."""
+    target, zero, _, prompts = setup
+    drafter = _family_drafter(target, zero, family.split("-")[0], **FAMILIES[family])
+    proposed, predicted = _record_proposals(monkeypatch)
+    seen_lengths = set()
+    for prompt in prompts:
+        proposed.clear()
+        predicted.clear()
+        with torch.no_grad():
+            real = speculative_generate(target, drafter, prompt, max_new_tokens=N, block_size=B)
+        trace = _trace(target, drafter, prompt)
+        replayed, confidences = [], []
+        lengths = replay_drafter(drafter, target, trace, N, B, frozenset(), replayed, confidences)
+        assert lengths == real.accept_lengths and replayed == proposed
+        assert len({tuple(d) for d in proposed}) > 1  # the drafts vary with the context
+        if family.startswith("dspark"):
+            assert len(confidences) == len(predicted) == real.cycles
+            assert confidences == [pytest.approx(c, abs=1e-5) for c in predicted]  # one forward vs a KV cache
+        seen_lengths |= set(real.accept_lengths)
+        # the family's rule matters here: the argmax per slot (what replay drafted before) proposes otherwise
+        argmax_drafts: list[list[int]] = []
+        with monkeypatch.context() as m:
+            m.setattr(drafter, "choose_drafts", None)
+            replay_drafter(drafter, target, trace, N, B, frozenset(), argmax_drafts)
+        assert argmax_drafts != replayed
+    assert seen_lengths - {1}, "a trivial case: no cycle accepted a draft"
+
+
+def test_a_familys_replay_reuses_the_traces_and_reports_decodings_tau_and_calibration(setup, tmp_path, tiny_dir):
+    """Jobs of a sweep over families share the traces (the target's side does not depend on the family); a DSpark
+    job's replayed tau equals full decoding's and its confidence calibration is decoding's up to round-off."""
+    from dflash.evaluation.evaluator import evaluate
+
+    target, zero, _, prompts = setup
+    settings = {"max_new_tokens": N, "block_size": B, "layer_ids": zero.target_layer_ids, "dtype": "float32"}
+    first = TraceCache(tmp_path / "replay", target_identity(str(tiny_dir)), settings)
+    replay_evaluate(target, zero, prompts, first, max_new_tokens=N, block_size=B, baselines=False)
+    drafter = _family_drafter(target, zero, "dspark", markov_head_type="rnn")
+    again = TraceCache(tmp_path / "replay", target_identity(str(tiny_dir)), settings)
+    replayed = replay_evaluate(target, drafter, prompts, again, max_new_tokens=N, block_size=B, baselines=False)
+    assert (again.misses, again.hits) == (0, len(prompts))
+    decoded = evaluate(target, drafter, prompts, max_new_tokens=N, block_size=B, baselines=False, warmup=False)
+    assert [r["accept_lengths"] for r in replayed["details"]["prompts"]] == [
+        r["accept_lengths"] for r in decoded["details"]["prompts"]
+    ]
+    assert replayed["eval/tau"] == decoded["eval/tau"]
+    calibration = {k: v for k, v in decoded.items() if k.startswith("eval/conf_")}
+    assert "eval/conf_error" in calibration
+    assert {k: replayed[k] for k in calibration} == pytest.approx(calibration, abs=1e-5)
+
+
 def test_lookup_replay_gives_prompt_lookups_accepted_lengths(setup):
     target, zero, _, prompts = setup
     for prompt in prompts:
@@ -140,7 +242,8 @@ def test_a_suites_turns_replay_as_they_decode(setup, tmp_path, tiny_dir):
 @pytest.mark.slow
 def test_a_sweeps_jobs_share_the_traces(tmp_path, cache_dir, tiny_target):
     """eval.replay=true as a sweep runs it: the first job computes the traces (eval prompts and a suite), the
-    second reuses them all, and each reports its own replayed tau."""
+    others reuse them all, another seed and another drafter family alike (#38: DSpark's job also reports its
+    confidence head's calibration), and each reports its own replayed tau."""
     import json
 
     from tests.conftest import launch
@@ -150,13 +253,15 @@ def test_a_sweeps_jobs_share_the_traces(tmp_path, cache_dir, tiny_target):
     args = ["experiment=smoke", "eval.replay=true", f"eval.suites=[jsonl:{suite}]", "eval.max_new_tokens=12",
             f"paths.cache_dir={tmp_path / 'cache'}", f"model.target={tiny_target}"]  # fmt: skip
     taus = []
-    for seed in (0, 1):
-        run_dir = tmp_path / f"job{seed}"
-        proc = launch([*args, f"train.seed={seed}", f"hydra.run.dir={run_dir}"], cache_dir, check=True)
-        reused = "replay: 5 traces reused, 0 computed" if seed else "replay: 0 traces reused, 5 computed"
+    for job, (seed, family) in enumerate(((0, "dflash"), (1, "dflash"), (1, "dspark"))):
+        run_dir = tmp_path / f"job{job}"
+        overrides = [f"train.seed={seed}", f"drafter={family}", f"hydra.run.dir={run_dir}"]
+        proc = launch([*args, *overrides], cache_dir, check=True)
+        reused = "replay: 5 traces reused, 0 computed" if job else "replay: 0 traces reused, 5 computed"
         assert reused in proc.stdout + proc.stderr
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["eval/replay_ties"] == 0 and "eval/speedup" not in summary
+        assert ("eval/conf_error" in summary) == (family == "dspark")
         bench = json.loads((run_dir / "benchmarks.json").read_text())
         (result,) = bench["results"].values()
         assert result["settings"]["replay"] is True and "lossless" not in result["metrics"]

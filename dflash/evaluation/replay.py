@@ -6,9 +6,12 @@ its argmax after every position and its features are computed once per (target, 
 `Trace`, cached under `<paths.cache_dir>/replay/` beside the feature store and shared by every job of a sweep.
 Each drafter's accepted lengths are then `verify_generate`'s loop walked over the trace: the cycle at anchor s
 accepts 1 + the leading positions where the drafter's block at s (drafted from the features of the positions
-before s, as in decoding) matches the target's argmax; the next anchor follows the accepted tokens; the loop ends
-as verify_generate's does (z-lab's cycle rule, a stop token). Prompt lookup replays the same way (its drafts
-depend on the tokens alone). A job runs no target forward, only the drafter's blocks.
+before s, as in decoding, by the family's own proposal rule: DSpark's Markov head and DFlash2's selector choose
+inside the block from the anchor and their own earlier choices, which the trace does not change) matches the
+target's argmax; the next anchor follows the accepted tokens; the loop ends as verify_generate's does (z-lab's
+cycle rule, a stop token). A confidence head's calibration comes from its predictions at the cycles visited.
+Prompt lookup replays the same way (its drafts depend on the tokens alone). A job runs no target forward, only the
+drafter's blocks.
 
 Exact up to float round-off: the trace's argmax and features come from one forward over the whole sequence,
 decoding's from chunked forwards through a KV cache, and a near-tie can flip an argmax. `replay_ties` counts the
@@ -94,19 +97,24 @@ def output_tokens(trace: Trace, max_new_tokens: int, eos: frozenset[int]) -> lis
 
 
 def replay_drafter(drafter: DFlashDraftModel, target_model: nn.Module, trace: Trace, max_new_tokens: int,
-                   block_size: int, eos: frozenset[int], drafts: list | None = None) -> list[int]:  # fmt: skip
-    """The drafter's accepted lengths on the trace, as greedy speculative decoding gives them (`drafts`, when
-    given, receives the drafts of the cycles visited, in order)."""
+                   block_size: int, eos: frozenset[int], drafts: list | None = None,
+                   confidences: list | None = None) -> list[int]:  # fmt: skip
+    """The drafter's accepted lengths on the trace, as greedy speculative decoding gives them, its family's own
+    proposal rule included (`drafts` and `confidences`, when given, receive the drafts and the confidence head's
+    predictions of the cycles visited, in order)."""
     model = hf_model(target_model)
     p, seq = len(trace.prompt), trace.prompt + trace.continuation
+    predicted: list = []
     sim, _, proposed = drafted_lengths(
         drafter, model.get_input_embeddings(), model.get_output_embeddings(), seq, trace.target_next[None],
-        trace.features[None], p, p + max_new_tokens - 1, block_size,
+        trace.features[None], p, p + max_new_tokens - 1, block_size, predicted,
     )  # fmt: skip
 
     def length(k: int) -> int:
         if drafts is not None:
             drafts.append(proposed[k])
+        if confidences is not None and predicted:
+            confidences.append(predicted[k])
         return sim[k]
 
     return walk(length, trace.continuation, max_new_tokens, eos)
@@ -183,23 +191,30 @@ def replay_evaluate(
     untrained_drafter: DFlashDraftModel | None = None,
 ) -> dict:
     """evaluate()'s tau metrics by replay: eval/tau (and its acceptance statistics), eval/tau_baseline (prompt
-    lookup), eval/tau_untrained, eval/tok_s_target_only (from the traces' decodes), eval/replay_ties; `details`
-    per prompt (tokens, accept lengths). No drafter speed and no losslessness: nothing is decoded."""
+    lookup), eval/tau_untrained, eval/tok_s_target_only (from the traces' decodes), eval/replay_ties, a confidence
+    head's calibration (eval/conf_*, from its predictions at the cycles visited); `details` per prompt (tokens,
+    accept lengths). No drafter speed and no losslessness: nothing is decoded."""
+    from dflash.evaluation.calibration import confidence_calibration
     from dflash.evaluation.decoding import _eos_set, acceptance_stats
     from dflash.terminal import display
 
     eos = _eos_set(eos_id)
     drafters = [d for d in (drafter, untrained_drafter) if d is not None]
     modes = [d.training for d in drafters]
-    rows = []
+    rows, confidences = [], []
+    has_confidence = getattr(drafter, "confidence_head", None) is not None  # DSpark's, as decoding's proposer asks
     try:
         for d in drafters:
             d.eval()
         with torch.no_grad(), display().phase("eval (replay)", len(prompts)) as phase:
             for prompt in prompts:
                 trace = cache.get(target_model, prompt)
+                predicted: list | None = [] if has_confidence else None
+                lengths = replay_drafter(drafter, target_model, trace, max_new_tokens, block_size, eos,
+                                         confidences=predicted)  # fmt: skip
+                confidences.append(predicted)
                 row = {"prompt_len": len(prompt), "tokens": output_tokens(trace, max_new_tokens, eos),
-                       "accept_lengths": replay_drafter(drafter, target_model, trace, max_new_tokens, block_size, eos),
+                       "accept_lengths": lengths,
                        "ties": trace.ties, "target_only_decode_time_s": trace.decode_time_s,
                        "target_only_decode_tokens": len(trace.continuation) - 1}  # fmt: skip
                 if baselines:
@@ -215,6 +230,8 @@ def replay_evaluate(
     metrics: dict = {
         f"eval/{k}": v for k, v in acceptance_stats([r["accept_lengths"] for r in rows], block_size).items()
     }
+    if has_confidence:
+        metrics.update(confidence_calibration(confidences, [r["accept_lengths"] for r in rows]))
     if baselines:
         metrics["eval/tau_baseline"] = acceptance_stats([r["baseline_accept_lengths"] for r in rows], block_size)["tau"]
     if untrained_drafter is not None:

@@ -60,12 +60,18 @@ def drafted_lengths(
     first_anchor: int,
     last_anchor: int,
     block_size: int,
+    confidences: list | None = None,
 ) -> tuple[list[int], list[int], list[list[int]]]:
-    """Per anchor a in [first_anchor, last_anchor] (blocks must fit in seq): (1 + leading draft argmax ==
-    target_next, 1 + leading draft argmax == seq's token, the drafts), each block drafted from the features of the
-    positions before its anchor (the training attention mask, with the drafter's sliding window if it has one)."""
+    """Per anchor a in [first_anchor, last_anchor] (blocks must fit in seq): (1 + leading draft == target_next,
+    1 + leading draft == seq's token, the drafts), each block drafted from the features of the positions before its
+    anchor (the training attention mask, with the drafter's sliding window if it has one). The drafts are the argmax
+    per slot, or a family's own proposal rule (`choose_drafts`, the one decoding's proposer calls) on the slots its
+    proposal runs; `confidences`, when given, receives per anchor what that rule returns beside the drafts (a
+    confidence head's predictions, else None)."""
     device, dtype = module_device(drafter), module_dtype(drafter)
     window = draft_window(drafter.config)
+    choose = getattr(drafter, "choose_drafts", None)  # a family's proposal rule (model/families/)
+    slots = block_size if choose is None else drafter.slots_for(block_size - 1)
     ids = torch.tensor([list(seq)], device=device)
     target_next, feats = target_next.to(device), feats.to(device, dtype)
     sim, data, drafts = [], [], []
@@ -77,18 +83,26 @@ def drafted_lengths(
             torch.ones_like(ids, dtype=torch.bool),
             anchors,
             valid,
-            block_size,
+            slots,
             drafter.mask_token_id,
             window=window,
         )
         noise = embed(blocks.input_ids.to(embed.weight.device)).to(device, dtype)
         hidden = drafter(noise, feats, blocks.position_ids, attention_mask=blocks.attention_mask)
         n = anchors.shape[1]
-        draft = hidden.view(1, n, block_size, -1)[:, :, 1:]
-        pred = head(draft.to(head.weight.device, head.weight.dtype)).argmax(dim=-1).to(device)  # (1, N, B-1)
-        want = gather_positions(target_next.unsqueeze(-1), blocks.teacher_positions).squeeze(-1)
+        if choose is None:
+            draft = hidden.view(1, n, block_size, -1)[:, :, 1:]
+            pred = head(draft.to(head.weight.device, head.weight.dtype)).argmax(dim=-1).to(device)  # (1, N, B-1)
+        else:
+            chosen = [choose(h, head, int(seq[a])) for h, a in zip(hidden.view(n, slots, -1), anchors[0].tolist())]
+            pred = torch.tensor([[c[0] for c in chosen]], device=device)
+            if confidences is not None:
+                confidences += [c[1] for c in chosen]
+        # draft k (k = 1..B-1) is checked against the target's argmax at a + k - 1 and the data's token at a + k
+        checked = anchors.unsqueeze(-1) + torch.arange(block_size - 1, device=device)  # (1, N, B-1)
+        want = gather_positions(target_next.unsqueeze(-1), checked).squeeze(-1)
         sim += _leading(pred == want)[0].tolist()
-        data += _leading(pred == blocks.labels)[0].tolist()
+        data += _leading(pred == ids[0][checked + 1])[0].tolist()
         drafts += pred[0].tolist()
     return sim, data, drafts
 
