@@ -1,8 +1,10 @@
 """Drafter families on the DFlash backbone (`drafter=` group, config.DrafterConfig): a small registry.
 
 A family is the drafter's class, how its settings enter the drafter's config, and its training rule: which block
-slots the drafter runs and predicts from (`training_blocks`, `drafted_hidden`) and its loss (`loss`). Decoding per
-family is evaluation/family_decoding.py's; the speculators export layout is families/speculators_layout.py's.
+slots the drafter runs and predicts from (`training_blocks`, `drafted_hidden`) and its loss (`loss`). A family's
+proposal rule is its drafter's `choose_drafts`, which decoding's proposer (evaluation/decoding.py) and replay's
+blocks (evaluation/sim_tau.py, eval.replay) both call; the speculators export layout is
+families/speculators_layout.py's.
 
     dflash   z-lab's drafter (model/drafter.py), its fused loss (model/losses.py)
     dspark   DFlash + a Markov logit bias and a confidence head (families/dspark.py, families/dspark_loss.py)

@@ -97,7 +97,7 @@ class ConfidenceHead(nn.Module):
 
 class DSparkDraftModel(DFlashDraftModel):
     """The DFlash backbone (its forward unchanged: block hidden states) with the two heads; `head_outputs` applies
-    them teacher-forced, `choose_drafts` step by step (evaluation/decoding.py's proposer calls it)."""
+    them teacher-forced, `choose_drafts` step by step (decoding's proposer and eval.replay's blocks call it)."""
 
     def __init__(self, config):
         settings = dspark_settings(config)
