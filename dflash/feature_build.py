@@ -28,6 +28,7 @@ from omegaconf import DictConfig
 from dflash.data.fingerprint import data_fingerprint
 from dflash.disk import check_free, mib
 from dflash.distributed import RankFailed, World, resolve_device
+from dflash.model.target import greedy_tokens
 from dflash.sources import target_and_data, target_files
 from dflash.terminal import display
 from dflash.train.feature_store import (
@@ -137,7 +138,9 @@ def _write_shards(cfg: DictConfig, world: World, files, writer: StoreWriter, bat
             if fault is not None and i == fault:
                 raise RuntimeError(f"injected fault building batch {i} (debug.fail_target_at_batch), rank {world.rank}")
             target_hidden, last_hidden = target.features(batch.input_ids.to(target.device))
-            writer.add(batch, target_hidden, last_hidden)
+            # the target's argmax, once here for every job that reads the store: a loss without the KL then
+            # computes no teacher logits
+            writer.add(batch, target_hidden, last_hidden, greedy_tokens(last_hidden, target.lm_head.weight))
             phase.advance()
             if i == last[shard]:
                 writer.commit(shard)

@@ -59,14 +59,14 @@ def test_encode_then_decode(dtype):
 
 
 def test_bytes_per_token_per_dtype():
-    # 5 layers + the last hidden state of 4096 values, plus an int64 id and a bool mask
-    assert store_bytes_per_token(4096, 5, "float32") == 6 * 4096 * 4 + 9
-    assert store_bytes_per_token(4096, 5, "bfloat16") == 6 * 4096 * 2 + 9
-    assert store_bytes_per_token(4096, 5, "fp8") == 6 * (4096 + 4) + 9  # a float32 scale per layer
+    # 5 layers + the last hidden state of 4096 values, plus an int64 id, a bool mask and the int32 target argmax
+    assert store_bytes_per_token(4096, 5, "float32") == 6 * 4096 * 4 + 13
+    assert store_bytes_per_token(4096, 5, "bfloat16") == 6 * 4096 * 2 + 13
+    assert store_bytes_per_token(4096, 5, "fp8") == 6 * (4096 + 4) + 13  # a float32 scale per layer
 
 
 def test_the_bytes_per_token_are_what_a_shard_holds():
-    """The estimate against the tensors encode makes for one token (ids and mask as the writer stores them)."""
+    """The estimate against the tensors encode makes for one token (ids, mask and argmax as the writer stores them)."""
     hidden, layers = 64, 3
     for dtype in ("float32", "bfloat16", "fp8"):
         one = {
@@ -74,6 +74,7 @@ def test_the_bytes_per_token_are_what_a_shard_holds():
             **encode("last_hidden", torch.randn(1, 1, hidden), dtype, 1),
             "input_ids": torch.zeros(1, 1, dtype=torch.int64),
             "loss_mask": torch.zeros(1, 1, dtype=torch.bool),
+            "target_next": torch.zeros(1, 1, dtype=torch.int32),
         }
         held = sum(t.numel() * t.element_size() for t in one.values())
         assert held == store_bytes_per_token(hidden, layers, dtype), dtype

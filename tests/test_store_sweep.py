@@ -20,11 +20,12 @@ Q8B, Q27B = store_cost.TARGETS["Qwen3-8B"], store_cost.TARGETS["Qwen3.6-27B"]
 
 
 def test_store_bytes_per_token_at_each_dtype():
-    # 5 layers' features + the last hidden state, each `hidden` values, plus an int64 id and a bool mask
-    assert store_cost.store_bytes(4096, 5, "float32") == 6 * 4096 * 4 + 9 == 98_313
-    assert store_cost.store_bytes(4096, 5, "bfloat16") == 6 * 4096 * 2 + 9
-    assert store_cost.store_bytes(5120, 5, "bfloat16") == 61_449
-    assert store_cost.store_bytes(4096, 5, "fp8") == 6 * (4096 + 4) + 9  # a float32 scale per token and row
+    # 5 layers' features + the last hidden state, each `hidden` values, plus an int64 id, a bool mask and the
+    # target's int32 argmax
+    assert store_cost.store_bytes(4096, 5, "float32") == 6 * 4096 * 4 + 13 == 98_317
+    assert store_cost.store_bytes(4096, 5, "bfloat16") == 6 * 4096 * 2 + 13
+    assert store_cost.store_bytes(5120, 5, "bfloat16") == 61_453
+    assert store_cost.store_bytes(4096, 5, "fp8") == 6 * (4096 + 4) + 13  # a float32 scale per token and row
 
 
 def test_the_planners_drafter_is_the_one_the_framework_builds():
@@ -60,7 +61,7 @@ def test_one_flop_model_for_the_plan_and_the_store_cost():
     assert r["online_h"] == pytest.approx(9 * (r["target_pass_h"] + r["drafter_pass_h"]))
     assert r["store_h"] == pytest.approx(r["target_pass_h"] + 9 * r["drafter_pass_h"])
     assert r["saved_h"] == pytest.approx(r["online_h"] - r["store_h"]) and r["saved_h"] > 0
-    assert r["store_tb_bf16"] == pytest.approx(1.2e9 * 61_449 / 1e12)
+    assert r["store_tb_bf16"] == pytest.approx(1.2e9 * 61_453 / 1e12)
 
 
 def test_the_goal_verdict_follows_the_numbers():

@@ -114,8 +114,9 @@ def test_logged_lr_is_the_lr_of_the_last_step_taken(parts):
 
 def test_bench_flop_count_sees_the_fused_lm_head(parts, tiny_target):
     """The bench's MFU rests on FlopCounterMode counting the matmuls inside the chunked LM-head loss (a custom
-    autograd function). Every loss computes the teacher's logits (the KL's soft labels, train/sim_tau's target
-    argmax), so ce_decay and kl count the same matmuls: draft logits, their gradient and the teacher's logits."""
+    autograd function). kl computes the teacher's logits at every drafted position (its soft labels, and
+    train/sim_tau's target argmax from them); ce_decay online only the target's argmax, once per distinct position
+    (from a store, not at all), so it counts fewer: draft logits and their gradient, at least."""
     from dflash.tools.bench.pipeline import drafter_step_flops
 
     cfg, target, _, mask_id = parts
@@ -132,5 +133,5 @@ def test_bench_flop_count_sees_the_fused_lm_head(parts, tiny_target):
         flops[loss] = drafter_step_flops(trainer, item)
     labels = item.input_ids.shape[0] * cfg.train.num_anchors * (cfg.model.block_size - 1)
     lm_head = 2 * labels * target.model.config.hidden_size * target.model.config.vocab_size
-    assert flops["kl"] == flops["ce_decay"]
-    assert flops["ce_decay"] > 3 * lm_head  # draft logits, their gradient and the teacher's logits, at least
+    assert flops["kl"] > flops["ce_decay"] > 2 * lm_head  # kl: draft logits, their gradient, the teacher's logits
+    assert flops["kl"] > 3 * lm_head

@@ -15,9 +15,10 @@ per-position scalars: decay_k = exp(-(k-1)/gamma) (paper Eq. 4), times a streak 
 or the D-PACE weights for `dpace`. loss = sum(w * per_pos) / denominator, where the denominator defaults to
 the local weight sum and can be overridden (a number, a tensor, or a callable that all-reduces the local sum).
 
-With teacher_hidden given, every loss also reports `target_correct`: the draft's argmax equals the target's
-argmax (what greedy verification accepts), for `sim_tau`; the teacher's logits then cost one more matmul
-per chunk, and its KL is computed only when the loss uses it.
+With teacher_hidden or target_next given, every loss also reports `target_correct`: the draft's argmax equals
+the target's argmax (what greedy verification accepts), for `sim_tau`. The target's argmax is `target_next` when
+given (a feature store holds it, or the trainer computed it once per position), so the teacher's logits cost a
+matmul per chunk only for the KL; without it they are computed from teacher_hidden for the argmax too.
 """
 
 from __future__ import annotations
@@ -70,16 +71,16 @@ class LossOutput:
 class _FusedLMHeadLoss(torch.autograd.Function):
     """Per-position losses of the frozen LM head, computed chunk by chunk.
 
-    forward(h [P, H], t [P, H] | None, labels [P], W [V, H], a, b, T, chunk, use_kl) ->
+    forward(h [P, H], t [P, H] | None, t_next [P] | None, labels [P], W [V, H], a, b, T, chunk, use_kl) ->
         per_pos [P] (differentiable: a * T^2 * KL + b * CE), ce [P], kl [P], correct [P], target_hit [P]
-        (draft argmax == teacher argmax; all False without t) (not differentiable)
+        (draft argmax == t_next, or teacher argmax without it; all False without either) (not differentiable)
     Only [chunk, V] logits exist at a time; when h needs a gradient, d per_pos / d h [P, H] is formed in
     forward (one extra [chunk, V] x [V, H] matmul, the same one autograd would run in backward) and backward
     scales its rows. No gradient flows into W or t (both frozen).
     """
 
     @staticmethod
-    def forward(ctx, h, t, labels, weight, a, b, temperature, chunk_size, use_kl):  # noqa: D102
+    def forward(ctx, h, t, t_next, labels, weight, a, b, temperature, chunk_size, use_kl):  # noqa: D102
         need_grad = ctx.needs_input_grad[0]
         n = h.shape[0]
         per_pos = torch.empty(n, device=h.device, dtype=torch.float32)
@@ -90,8 +91,8 @@ class _FusedLMHeadLoss(torch.autograd.Function):
         grad_h = torch.empty_like(h) if need_grad else None
         for start in range(0, n, chunk_size):
             sl = slice(start, min(start + chunk_size, n))
-            t_sl = None if t is None else t[sl]
-            out = _chunk_losses(h[sl], t_sl, labels[sl], weight, a, b, temperature, need_grad, use_kl)
+            t_sl, next_sl = (None if x is None else x[sl] for x in (t, t_next))
+            out = _chunk_losses(h[sl], t_sl, next_sl, labels[sl], weight, a, b, temperature, need_grad, use_kl)
             ce[sl], kl[sl], correct[sl] = out[0], out[1], out[2]
             per_pos[sl] = b * out[0] + (a * temperature**2) * out[1]  # ce_decay: a = 0, b = 1, kl = 0
             if out[4] is not None:
@@ -107,12 +108,13 @@ class _FusedLMHeadLoss(torch.autograd.Function):
     def backward(ctx, g_per_pos, _g_ce, _g_kl, _g_correct, _g_hit):  # noqa: D102
         (grad_h,) = ctx.saved_tensors
         g = grad_h * g_per_pos.to(grad_h.dtype).unsqueeze(-1)  # (P, H)
-        return g, None, None, None, None, None, None, None, None
+        return g, None, None, None, None, None, None, None, None, None
 
 
 def _chunk_losses(
     h: torch.Tensor,
     t: torch.Tensor | None,
+    t_next: torch.Tensor | None,
     labels: torch.Tensor,
     weight: torch.Tensor,
     a: float,
@@ -121,8 +123,9 @@ def _chunk_losses(
     need_grad: bool,
     use_kl: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """One chunk: (ce [c], kl [c], correct [c], d per_pos / d h [c, H] or None, draft argmax == teacher argmax
-    [c] or None without t). Softmaxes in float32; the KL only when use_kl.
+    """One chunk: (ce [c], kl [c], correct [c], d per_pos / d h [c, H] or None, draft argmax == t_next (without it
+    the teacher's argmax) [c] or None without t and t_next). Softmaxes in float32; the teacher's logits only when
+    use_kl or no t_next names the target's argmax.
 
     With s the draft logits, p_t = softmax(t/T), per_pos = a*T^2*KL(p_t || softmax(s/T)) + b*CE:
     d per_pos / d s = a*T*(softmax(s/T) - p_t) + b*(softmax(s) - onehot(label)).
@@ -133,10 +136,14 @@ def _chunk_losses(
     pred = s.argmax(dim=-1)
     correct = pred == labels
     kl = torch.zeros_like(ce)
-    ds = target_hit = None
-    if t is not None:
+    ds = None
+    target_hit = None if t_next is None else pred == t_next
+    if t is not None and (use_kl or target_hit is None):
         t_logits = (t @ weight.T).float()  # (c, V)
-        target_hit = pred == t_logits.argmax(dim=-1)
+        if target_hit is None:
+            target_hit = pred == t_logits.argmax(dim=-1)
+        if not use_kl:
+            del t_logits
     if t is not None and use_kl:
         if temperature != 1.0:
             t_logits.div_(temperature)
@@ -149,8 +156,6 @@ def _chunk_losses(
         if need_grad and a != 0.0:
             ds = logq.exp_().sub_(p_t).mul_(a * temperature)  # reuses logq's storage
         del logq, p_t
-    if t is not None and not use_kl:
-        del t_logits
     if not need_grad:
         return ce, kl, correct, None, target_hit
     if b != 0.0 or ds is None:
@@ -215,6 +220,11 @@ def _uses_kl(loss_name: str, a: float) -> bool:
     return loss_name in ("kl", "kl_streak") or (loss_name == "dpace" and a != 0.0)
 
 
+def loss_uses_kl(loss_name: str, kl_weight: float) -> bool:
+    """Whether the loss reads the teacher's logits (its KL); else all it reads of the teacher is its argmax."""
+    return _uses_kl(loss_name, _kl_coefficients(loss_name, kl_weight)[0])
+
+
 def _check_kl_input(loss_name: str, a: float, teacher_hidden: torch.Tensor | None) -> None:
     if _uses_kl(loss_name, a) and teacher_hidden is None:
         raise ValueError(f"loss.name={loss_name!r} with kl_weight > 0 needs teacher_hidden; got None")
@@ -271,6 +281,7 @@ def dflash_loss(
     chunk_size: int = 256,
     weight_denominator: Denominator = None,
     dpace_alpha: float = 0.5,
+    target_next: torch.Tensor | None = None,
 ) -> LossOutput:
     """The DFlash drafter loss, fused with the LM head and computed in chunks of positions.
 
@@ -280,6 +291,8 @@ def dflash_loss(
     lm_head_weight: [V, H] frozen LM head of the target (logits = hidden @ W.T); gets no gradient.
     teacher_hidden: [N, B-1, H] target's final-normed last hidden state at anchor + k - 1; needed by kl,
                     kl_streak and dpace with kl_weight > 0; when given, `target_correct` is reported.
+    target_next:    [N, B-1] int, the target's argmax at those positions (`greedy_tokens`): `target_correct`
+                    compares with it, and no teacher logits are computed unless the loss uses the KL.
     loss_name:      ce_decay: sum(w * CE) / sum(w), w = exp(-(k-1)/gamma).
                     kl: per position kl_weight * T^2 * KL(softmax(t/T) || softmax(s/T)) + (1 - kl_weight) * CE,
                     same weights. kl_streak: as kl, w = decay * streak multiplier (`streak_weights`).
@@ -290,6 +303,8 @@ def dflash_loss(
     weight_denominator: None = local weight sum; a number / tensor; or fn(local_sum) -> global_sum.
     """
     _check_inputs(draft_hidden, labels, valid, lm_head_weight, loss_name, block_size, teacher_hidden, chunk_size)
+    if target_next is not None and target_next.shape != labels.shape:
+        raise ValueError(f"target_next {tuple(target_next.shape)} must be [N, B-1] = {tuple(labels.shape)}")
     gamma = default_decay_gamma(block_size) if decay_gamma is None else decay_gamma
     a, b = _kl_coefficients(loss_name, kl_weight)
     _check_kl_input(loss_name, a, teacher_hidden)
@@ -306,16 +321,18 @@ def dflash_loss(
     if teacher_hidden is not None:
         t = teacher_hidden.detach().reshape(-1, hidden).index_select(0, idx).to(h.dtype)
     lab = labels.reshape(-1).index_select(0, idx).long()
+    t_next = None if target_next is None else target_next.reshape(-1).index_select(0, idx).long()
 
     weight = lm_head_weight.detach()
-    per_pos, ce, kl, hit, t_hit = _FusedLMHeadLoss.apply(h, t, lab, weight, a, b, temperature, chunk_size, use_kl)
+    args = (h, t, t_next, lab, weight, a, b, temperature, chunk_size, use_kl)
+    per_pos, ce, kl, hit, t_hit = _FusedLMHeadLoss.apply(*args)
 
     # back to [N, B-1] for the weights (the streak needs the block layout); invalid positions get CE 0
     ce_full = torch.zeros(n_blocks * width, device=ce.device, dtype=ce.dtype).index_copy_(0, idx, ce)
     ce_full = ce_full.view(n_blocks, width)
     correct = torch.zeros(n_blocks * width, device=hit.device, dtype=torch.bool).index_copy_(0, idx, hit)
     target_correct = None
-    if t is not None:
+    if t is not None or t_next is not None:
         target_correct = torch.zeros_like(correct).index_copy_(0, idx, t_hit).view(n_blocks, width)
     w = position_weights(loss_name, ce_full, valid, block_size, gamma, streak_alpha, dpace_alpha)
     w = w.reshape(-1).index_select(0, idx)
@@ -398,6 +415,7 @@ __all__ = [
     "dpace_weights",
     "dflash_loss",
     "dflash_loss_naive",
+    "loss_uses_kl",
     "position_weights",
     "streak_weights",
 ]

@@ -100,6 +100,37 @@ class TargetModel(nn.Module):
         return self.lm_head(last_hidden)
 
 
+# the logits of one chunk of greedy_tokens: at most this many bytes (256 MiB) unless a chunk size is given
+_GREEDY_CHUNK_BYTES = 2**28
+
+
+def greedy_tokens(hidden: torch.Tensor, lm_head_weight: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+    """The target's greedy next token after each position: argmax of hidden @ W.T, computed as the fused loss
+    computes its teacher's logits (in W's dtype, no bias). hidden [..., H] -> int32 [...], `chunk_size` positions at
+    a time (None: as many as keep a chunk's logits within 256 MiB)."""
+    weight = lm_head_weight.detach()
+    flat = hidden.detach().reshape(-1, hidden.shape[-1])
+    chunk = chunk_size or max(1, _GREEDY_CHUNK_BYTES // (weight.shape[0] * weight.element_size()))
+    out = torch.empty(flat.shape[0], dtype=torch.int32, device=flat.device)
+    for start in range(0, flat.shape[0], chunk):
+        out[start : start + chunk] = (flat[start : start + chunk].to(weight.dtype) @ weight.T).argmax(-1)
+    return out.view(hidden.shape[:-1])
+
+
+def greedy_tokens_at(
+    hidden: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, lm_head_weight: torch.Tensor, chunk_size: int
+) -> torch.Tensor:
+    """greedy_tokens of hidden (bsz, S, H) at `positions` (bsz, N, K) where `valid` (bsz, N, K), 0 elsewhere: each
+    distinct position once, though overlapping blocks read a position up to K times."""
+    bsz, seq_len, width = hidden.shape
+    flat = positions + seq_len * torch.arange(bsz, device=positions.device).view(-1, 1, 1)
+    distinct, inverse = torch.unique(flat[valid], return_inverse=True)
+    tokens = greedy_tokens(hidden.reshape(-1, width).index_select(0, distinct), lm_head_weight, chunk_size)
+    out = torch.zeros(positions.shape, dtype=torch.int32, device=positions.device)
+    out[valid] = tokens[inverse]
+    return out
+
+
 class TargetHeads(nn.Module):
     """What the trainer reads of the target, frozen: its input embedding and LM head (one module when tied).
     `TargetHeads(target, device)` copies them from a loaded target onto the drafter's device

@@ -7,7 +7,15 @@ build`) and read by every job of a sweep instead of running the target (`feature
                             the feature definition's version, the number of batches
     <store>/index.json      the committed shards, in order: file, sha256, bytes, the (pass, index) of each batch
     <store>/shard_00000.safetensors ...   `shard_batches` global batches each: input_ids, loss_mask, lengths,
-                            target_hidden, last_hidden (safetensors: memory-mapped on read, one header)
+                            target_hidden, last_hidden, target_next (safetensors: memory-mapped on read, one
+                            header)
+
+target_next (int32, 4 bytes a token) is the target's argmax after each position, argmax(lm_head(last_hidden)) from
+the target's own last hidden state (before the store's dtype rounds it), so a loss without the KL computes no
+teacher logits. Stores built before it lack it and are read as they are: their items carry target_next=None and
+the trainer computes the argmax as online. It is not in the manifest (nor FEATURE_VERSION): the features are the
+same, and the store's name hashes the manifest, so adding it would orphan every store built so far; a store
+extended by a newer build holds it in its newer shards only, which the reader takes per batch.
 
 A shard is written to `*.tmp` and renamed, then its sha256 goes into index.json (rewritten atomically), so a
 killed build leaves only whole shards listed; it resumes after the last one (a torn `*.tmp` is removed and redone).
@@ -103,7 +111,14 @@ class StoreWriter:
         """This rank's share of `todo`, dealt round-robin (a resumed build's remainder splits evenly too)."""
         return self.todo(batches)[self.rank :: self.world_size]
 
-    def add(self, batch: Batch, target_hidden: torch.Tensor, last_hidden: torch.Tensor) -> None:
+    def add(
+        self,
+        batch: Batch,
+        target_hidden: torch.Tensor,
+        last_hidden: torch.Tensor,
+        target_next: torch.Tensor | None = None,
+    ) -> None:
+        """One global batch's features; `target_next` (bsz, S): the target's argmax (feature_build always has it)."""
         dtype, layers = self.manifest["features.dtype"], len(self.manifest["model.target_layer_ids"])
         lengths = batch.lengths if batch.lengths is not None else torch.full((batch.input_ids.shape[0],), -1)
         tensors = {
@@ -113,6 +128,8 @@ class StoreWriter:
             **encode("target_hidden", target_hidden, dtype, layers),
             **encode("last_hidden", last_hidden, dtype, 1),
         }
+        if target_next is not None:
+            tensors["target_next"] = target_next.to(torch.int32)
         self._pending.append(((batch.data_pass, batch.index), {k: v.detach().cpu() for k, v in tensors.items()}))
 
     def commit(self, number: int) -> None:
@@ -266,6 +283,7 @@ class StoreReader:
         t["target_hidden"], t["last_hidden"] = (
             decode(read, n, self.dtype, shard_keys) for n in ("target_hidden", "last_hidden")
         )
+        target_next = read("target_next").to(self.device) if "target_next" in shard_keys else None  # an older store
         return HiddenItem(
             input_ids=part.input_ids.to(self.device),
             loss_mask=part.loss_mask.to(self.device),
@@ -277,13 +295,14 @@ class StoreReader:
             global_loss_mask=None if part.global_loss_mask is None else part.global_loss_mask.to(self.device),
             row_start=part.row_start,
             global_tokens=part.global_tokens,
+            target_next=target_next,
         )
 
 
 def store_bytes_per_token(hidden_size: int, num_layers: int, dtype: str) -> int:
     """Bytes a token takes in a store: the layers' features and the last hidden state (with fp8 their per-token
-    scales), plus its id (int64) and loss mask (bool)."""
-    return (num_layers + 1) * (hidden_size * bytes_per_value(dtype) + scale_bytes(dtype)) + 9
+    scales), plus its id (int64), loss mask (bool) and the target's argmax (int32)."""
+    return (num_layers + 1) * (hidden_size * bytes_per_value(dtype) + scale_bytes(dtype)) + 13
 
 
 def manifest_for(cfg, layer_ids: list[int], data_fingerprint: dict | None) -> dict:

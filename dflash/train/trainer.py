@@ -24,7 +24,7 @@ from dflash.data.batches import Batch
 from dflash.distributed import World
 from dflash.machine import peak_rss_mb
 from dflash.model.blocks import gather_positions, sample_anchors
-from dflash.model.families import drafted_hidden, family_loss, training_blocks
+from dflash.model.families import drafted_hidden, family_loss, target_argmax, training_blocks
 from dflash.model.window import draft_window
 from dflash.train.block_metrics import BlockMetricsAccumulator
 from dflash.train.optimizers import DrafterOptimizer
@@ -64,6 +64,7 @@ class HiddenItem:
     global_loss_mask: torch.Tensor | None = None  # (global bsz, S) under data parallelism (anchors are drawn on it)
     row_start: int = 0  # these rows' first row in the global batch
     global_tokens: int | None = None  # tokens of the global batch (the step's token count on every rank)
+    target_next: torch.Tensor | None = None  # (bsz, S) int32: argmax of lm_head(last_hidden), a store's (else None)
 
 
 class TargetForward:
@@ -277,9 +278,11 @@ class DrafterTrainer:
         out = self.model(noise_embedding, target_hidden, blocks.position_ids, attention_mask=blocks.attention_mask)
         bsz, n = anchors.shape
         draft_hidden = drafted_hidden(self.drafter, out, bsz, n, B)  # [bsz * N, B-1, H] (DFlash: slots 1..B-1)
-        # every loss gets the target's last hidden states: the KL losses' soft labels, and the target's argmax
-        # that train/sim_tau compares the draft's with (greedy verification)
+        # every loss gets the target's last hidden states (the KL losses' soft labels) and its argmax, which
+        # train/sim_tau compares the draft's with (greedy verification): a store's, or computed once per position
         teacher_hidden = gather_positions(item.last_hidden, blocks.teacher_positions).reshape(bsz * n, B - 1, -1)
+        stored = item.target_next
+        target_next = target_argmax(self.drafter, blocks, item.last_hidden, stored, self.lm_head_weight, cfg.loss)
         return family_loss(  # the drafter family's loss (DFlash: model/losses.py's fused dflash_loss)
             self.drafter,
             draft_hidden,
@@ -291,6 +294,7 @@ class DrafterTrainer:
             B,
             # data parallelism: every rank divides by the global weight sum (SpecForge PR #731's fix)
             weight_denominator=self._global_weight_sum if self.world.distributed else None,
+            target_next=target_next,
         )
 
     def _global_weight_sum(self, local: torch.Tensor) -> torch.Tensor:

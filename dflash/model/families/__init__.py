@@ -26,7 +26,8 @@ from dflash.model.families.dflash2 import DFlash2DraftModel, configure_dflash2
 from dflash.model.families.dflash2_loss import selector_loss
 from dflash.model.families.dspark import DSparkDraftModel, configure_dspark
 from dflash.model.families.dspark_loss import dspark_loss
-from dflash.model.losses import LossOutput, dflash_loss
+from dflash.model.losses import LossOutput, dflash_loss, loss_uses_kl
+from dflash.model.target import greedy_tokens_at
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,31 @@ def previous_tokens(blocks: TrainingBlocks, input_ids: torch.Tensor) -> torch.Te
     return prev.reshape(-1, prev.shape[-1])
 
 
+def target_argmax(
+    drafter: DFlashDraftModel,
+    blocks: TrainingBlocks,
+    last_hidden: torch.Tensor,
+    stored: torch.Tensor | None,
+    lm_head_weight: torch.Tensor,
+    loss_cfg,
+) -> torch.Tensor | None:
+    """[bsz * N, B-1]: the target's argmax at each drafted position, which `target_correct` (train/sim_tau) and
+    DFlash2's selector compare with. A feature store's `target_next` (bsz, S) gathered when the item has one; else
+    computed here once per distinct position when the loss computes no teacher logits of its own (dflash, dflash2
+    without the KL): overlapping blocks read a position up to B-1 times. None where the loss has those logits
+    anyway (DSpark's TV, the KL) and takes the argmax from them."""
+    if isinstance(drafter, DSparkDraftModel):
+        return None
+    positions = blocks.teacher_positions
+    bsz, n, width = positions.shape
+    if stored is not None:
+        return torch.gather(stored, 1, positions.reshape(bsz, -1)).view(bsz * n, width)
+    if loss_uses_kl(loss_cfg.name, loss_cfg.kl_weight):
+        return None
+    valid = blocks.label_valid
+    return greedy_tokens_at(last_hidden, positions, valid, lm_head_weight, loss_cfg.chunk_size).view(bsz * n, width)
+
+
 def family_loss(
     drafter: DFlashDraftModel,
     draft_hidden: torch.Tensor,
@@ -126,8 +152,10 @@ def family_loss(
     loss_cfg,
     block_size: int,
     weight_denominator=None,
+    target_next: torch.Tensor | None = None,
 ) -> LossOutput:
-    """The family's training loss on the drafted positions (`loss_cfg`: the loss group)."""
+    """The family's training loss on the drafted positions (`loss_cfg`: the loss group); `target_next` [N, B-1]:
+    the target's argmax there (`target_argmax`), which saves dflash and dflash2 the teacher's logits without KL."""
     n = draft_hidden.shape[0]
     common = dict(
         loss_name=loss_cfg.name,
@@ -143,18 +171,18 @@ def family_loss(
     )
     labels, valid = blocks.labels.reshape(n, block_size - 1), blocks.label_valid.reshape(n, block_size - 1)
     if isinstance(drafter, DFlash2DraftModel):  # the unary loss is DFlash's; the selector's k-way CE beside it
-        out = dflash_loss(draft_hidden, labels, valid, lm_head_weight, **common)
+        out = dflash_loss(draft_hidden, labels, valid, lm_head_weight, target_next=target_next, **common)
         gamma = default_decay_gamma(block_size) if loss_cfg.decay_gamma is None else loss_cfg.decay_gamma
         sel = selector_loss(
             draft_hidden, previous_tokens(blocks, input_ids), valid, lm_head_weight, teacher_hidden,
-            drafter.candidate_selector, block_size, gamma, loss_cfg.chunk_size, weight_denominator,
+            drafter.candidate_selector, block_size, gamma, loss_cfg.chunk_size, weight_denominator, target_next,
         )  # fmt: skip
         weight = 1.0 if loss_cfg.get("selector_weight") is None else loss_cfg.selector_weight
         out.loss = out.loss + weight * sel
         out.extra["train/loss_selector"] = sel.detach()
         return out
     if not isinstance(drafter, DSparkDraftModel):
-        return dflash_loss(draft_hidden, labels, valid, lm_head_weight, **common)
+        return dflash_loss(draft_hidden, labels, valid, lm_head_weight, target_next=target_next, **common)
     z, conf = drafter.head_outputs(draft_hidden, previous_tokens(blocks, input_ids))
     w2 = None if z is None else drafter.markov_head.markov_w2.weight
     weight = 1.0 if loss_cfg.confidence_weight is None else loss_cfg.confidence_weight

@@ -38,19 +38,21 @@ def selector_loss(
     gamma: float,
     chunk_size: int = 256,
     weight_denominator: Denominator = None,
+    target_next: torch.Tensor | None = None,  # [N, K]: the target's argmax (a store's), else from teacher_hidden
 ) -> torch.Tensor:
     n, width, hidden = draft_hidden.shape
     idx = valid.reshape(-1).nonzero().squeeze(-1)
     h = draft_hidden.reshape(-1, hidden).index_select(0, idx)
     t = teacher_hidden.detach().reshape(-1, hidden).index_select(0, idx)
     prev = prev_ids.reshape(-1).index_select(0, idx)
+    t_next = None if target_next is None else target_next.reshape(-1).index_select(0, idx).long()
     weight = lm_head_weight.detach()
     ces = []
     for start in range(0, h.shape[0], chunk_size):
         sl = slice(start, start + chunk_size)
         with torch.no_grad():
             unary = (h[sl].to(weight.dtype) @ weight.T).float()
-            target = (t[sl].to(weight.dtype) @ weight.T).argmax(-1)
+            target = (t[sl].to(weight.dtype) @ weight.T).argmax(-1) if t_next is None else t_next[sl]
             cands, label = training_candidates(unary, target, selector.top_k)
         scores = (h[sl].unsqueeze(1).to(weight.dtype) * weight[cands]).sum(-1).float()
         scores = scores + selector.transition(h[sl], prev[sl], cands).float()

@@ -1,15 +1,22 @@
 """`python -m dflash.bench step`: one drafter training step (blocks, drafter forward, the fused chunked loss,
-backward) at a long sequence, full attention against `model.sliding_window` sizes, each in a fresh subprocess and
-printed side by side.
+backward) at a long sequence, full attention against `model.sliding_window` sizes, and what the loss is given of
+the target (`teachers`), each in a fresh subprocess and printed side by side.
 
 The step is the trainer's: anchors drawn over the sequence, `build_training_blocks` with the window (CPU: sdpa, so
 full attention scores every block against all S + N*B keys and a window per block against W - 1 + B), the drafter's
-forward and backward through `dflash_loss` (ce_decay). Inputs are random at the widths the options give (default: a
-1-layer drafter of 1024 hidden units, 16 heads of 64, 4 KV heads). Peak memory is the rise of the worker's peak RSS
-(CPU) or max_memory_allocated (CUDA) over the mark taken once the inputs exist.
+forward and backward through `dflash_loss` (`loss`, ce_decay). Inputs are random at the widths the options give
+(default: a 1-layer drafter of 1024 hidden units, 16 heads of 64, 4 KV heads). Peak memory is the rise of the
+worker's peak RSS (CPU) or max_memory_allocated (CUDA) over the mark taken once the inputs exist.
 
-Options: seq_len=4096 windows=none,512 anchors=64 block_size=16 batch=1 hidden=1024 heads=16 kv_heads=4
-head_dim=64 intermediate=2816 layers=1 features=2 vocab=8192 chunk_size=256 repeats=2 dtype=float32 device=cpu
+teachers: none (no target: no train/sim_tau), logits (the target's last hidden states: its argmax from its logits, an
+LM-head matmul per chunk: before target_next), online (the argmax computed in the step once per distinct position, as
+the trainer does online without a KL), argmax (a feature store's: no teacher logits unless the loss has a KL).
+
+Options: seq_len=4096 windows=none,512 teachers=none anchors=64 block_size=16 batch=1 hidden=1024 heads=16
+kv_heads=4 head_dim=64 intermediate=2816 layers=1 features=2 vocab=8192 chunk_size=256 loss=ce_decay repeats=2
+dtype=float32 device=cpu. The real target's LM head (SmolLM2-135M): hidden=576 vocab=49152 heads=9 kv_heads=3
+head_dim=64 intermediate=1536 layers=2 features=3 seq_len=256 batch=4 anchors=32 block_size=8 windows=none
+teachers=logits,online,argmax
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from dflash.tools.bench.options import parse_opts, run_worker
 STEP_DEFAULTS: dict[str, str] = {
     "seq_len": "4096",
     "windows": "none,512",
+    "teachers": "none",
     "anchors": "64",
     "block_size": "16",
     "batch": "1",
@@ -36,6 +44,7 @@ STEP_DEFAULTS: dict[str, str] = {
     "features": "2",
     "vocab": "8192",
     "chunk_size": "256",
+    "loss": "ce_decay",
     "repeats": "2",
     "dtype": "float32",
     "device": "cpu",
@@ -69,14 +78,16 @@ def _drafter(o: dict, window: int | None):
 
 
 def _worker(args: list[str]) -> None:
-    """Child process: one window, `repeats` steps, one JSON line."""
+    """Child process: one window and teacher ("WINDOW/TEACHER"), `repeats` steps, one JSON line."""
     import torch
 
-    from dflash.model.blocks import build_training_blocks, sample_anchors
+    from dflash.model.blocks import build_training_blocks, gather_positions, sample_anchors
     from dflash.model.losses import dflash_loss
+    from dflash.model.target import greedy_tokens, greedy_tokens_at
     from dflash.model.window import draft_window
 
-    window, o = (None if args[0] == "none" else int(args[0])), json.loads(args[1])
+    name, teacher = args[0].split("/")
+    window, o = (None if name == "none" else int(name)), json.loads(args[1])
     device, dtype = torch.device(o["device"]), getattr(torch, o["dtype"])
     S, B, bsz, H, V = int(o["seq_len"]), int(o["block_size"]), int(o["batch"]), int(o["hidden"]), int(o["vocab"])
     torch.manual_seed(0)
@@ -87,6 +98,8 @@ def _worker(args: list[str]) -> None:
     embed = torch.randn(V, H, generator=g, device=device, dtype=dtype)
     head = torch.randn(V, H, generator=g, device=device, dtype=dtype).mul_(H**-0.5)
     loss_mask = torch.ones(bsz, S, dtype=torch.bool, device=device)
+    last_hidden = torch.randn(bsz, S, H, generator=g, device=device, dtype=dtype)
+    stored_next = greedy_tokens(last_hidden, head)  # a store's target_next, made before the steps are timed
 
     def sync() -> None:
         if device.type == "cuda":
@@ -108,10 +121,18 @@ def _worker(args: list[str]) -> None:
         out = drafter(embed[blocks.input_ids], feats, blocks.position_ids, attention_mask=blocks.attention_mask)
         n = anchors.shape[1]
         draft = out.view(bsz, n, B, -1)[:, :, 1:].reshape(bsz * n, B - 1, -1)
-        kw = dict(decay_gamma=7.0, kl_temperature=1.0, kl_weight=0.0, streak_alpha=0.0)
+        kw = dict(decay_gamma=7.0, kl_temperature=1.0, kl_weight=0.5 if o["loss"] == "kl" else 0.0, streak_alpha=0.0)
+        if teacher != "none":  # as the trainer: the target's last hidden states (and argmax) at the teacher positions
+            kw["teacher_hidden"] = gather_positions(last_hidden, blocks.teacher_positions).reshape(bsz * n, B - 1, H)
+        if teacher == "argmax":
+            stored = torch.gather(stored_next, 1, blocks.teacher_positions.reshape(bsz, -1))
+            kw["target_next"] = stored.view(bsz * n, B - 1)
+        if teacher == "online":
+            at = greedy_tokens_at(last_hidden, blocks.teacher_positions, blocks.label_valid, head, int(o["chunk_size"]))
+            kw["target_next"] = at.view(bsz * n, B - 1)
         loss = dflash_loss(
             draft, blocks.labels.reshape(bsz * n, B - 1), blocks.label_valid.reshape(bsz * n, B - 1), head,
-            loss_name="ce_decay", block_size=B, chunk_size=int(o["chunk_size"]), **kw,
+            loss_name=o["loss"], block_size=B, chunk_size=int(o["chunk_size"]), **kw,
         ).loss  # fmt: skip
         loss.backward()
         sync()
@@ -125,36 +146,46 @@ def _worker(args: list[str]) -> None:
 
 
 def bench(args: list[str]) -> None:
-    """Full attention against sliding windows: step time and peak memory of one drafter training step."""
+    """Full attention against sliding windows, and each teacher: step time and peak memory of one drafter step."""
     import torch
 
     o = parse_opts(args, STEP_DEFAULTS)
     windows = [w.strip() for w in o["windows"].split(",") if w.strip()]
+    teachers = [t.strip() for t in o["teachers"].split(",") if t.strip()]
+    if not teachers or set(teachers) - {"none", "logits", "online", "argmax"} or o["loss"] not in ("ce_decay", "kl"):
+        raise SystemExit("teachers= takes none, logits, online, argmax (comma-separated); loss= ce_decay or kl")
+    if o["loss"] == "kl" and {"none", "online"} & set(teachers):
+        raise SystemExit("loss=kl takes teachers=logits,argmax (online, the trainer takes the argmax from its logits)")
     S, n, B = int(o["seq_len"]), int(o["anchors"]), int(o["block_size"])
     print(
-        f"step bench: drafter training step (forward + backward, ce_decay), seq_len {S}, {n} anchors x block {B}, "
+        f"step bench: drafter training step (forward + backward, {o['loss']}), seq_len {S}, {n} anchors x block {B}, "
         f"batch {o['batch']}, {o['layers']} layer(s) of hidden {o['hidden']} ({o['heads']} heads x {o['head_dim']}, "
         f"{o['kv_heads']} KV heads), vocab {o['vocab']}, {o['dtype']} on {o['device']}, "
         f"{torch.get_num_threads()} torch threads, {o['repeats']} repeats"
     )
     print("memory: rise of the worker's peak RSS (CPU) / max_memory_allocated (CUDA) over the mark after inputs")
-    results = {w: run_worker("dflash.tools.bench.step", w, o) for w in windows}
-    print(f"{'window':<8} {'keys/query':>10} {'mask':>22} {'peak MiB':>10} {'best s':>8} {'all s':>16} {'loss':>10}")
-    for w, r in results.items():
+    results = {(w, t): run_worker("dflash.tools.bench.step", f"{w}/{t}", o) for w in windows for t in teachers}
+    print(
+        f"{'window':<8} {'teacher':<8} {'keys/query':>10} {'mask':>22} {'peak MiB':>10} {'best s':>8} {'all s':>16} "
+        f"{'loss':>10}"
+    )
+    for (w, t), r in results.items():
         keys = S + n * B if w == "none" or int(w) >= S else int(w) - 1 + B
-        all_s = ", ".join(f"{t:.2f}" for t in r["times_s"])
+        all_s = ", ".join(f"{x:.3f}" for x in r["times_s"])
         print(
-            f"{w:<8} {keys:>10} {r['mask']:>22} {r['peak_mb']:>10.0f} {min(r['times_s']):>8.2f} {all_s:>16} "
+            f"{w:<8} {t:<8} {keys:>10} {r['mask']:>22} {r['peak_mb']:>10.0f} {min(r['times_s']):>8.3f} {all_s:>16} "
             f"{r['loss']:>10.4f}"
         )
-    if "none" in results:
-        ref = results["none"]
-        for w, r in results.items():
-            if w != "none":
-                print(
-                    f"window {w} / full: peak memory {r['peak_mb'] / max(ref['peak_mb'], 1e-9):.2f}x, "
-                    f"time {min(r['times_s']) / min(ref['times_s']):.2f}x"
-                )
+
+    def ratio(label: str, r: dict, ref: dict) -> None:
+        memory, time_ = r["peak_mb"] / max(ref["peak_mb"], 1e-9), min(r["times_s"]) / min(ref["times_s"])
+        print(f"{label}: peak memory {memory:.2f}x, time {time_:.2f}x")
+
+    for (w, t), r in results.items():
+        if w != "none" and ("none", t) in results:
+            ratio(f"window {w} / full ({t})", r, results["none", t])
+        if t in ("online", "argmax") and (w, "logits") in results:
+            ratio(f"window {w}: {t} / logits", r, results[w, "logits"])
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["_worker"]:  # one window, in its own process

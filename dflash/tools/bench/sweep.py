@@ -173,7 +173,7 @@ def stage_costs(opts: dict, work: Path) -> dict[str, tuple[float, float]]:
     from dflash.data.fingerprint import data_fingerprint
     from dflash.distributed import World
     from dflash.model.build import build_drafter_config, init_drafter, resolve_mask_token_id
-    from dflash.model.target import DTYPES
+    from dflash.model.target import DTYPES, greedy_tokens
     from dflash.sources import target_and_data, target_files
     from dflash.tools.features import compose
     from dflash.train.feature_store import StoreReader, StoreWriter, manifest_for
@@ -195,10 +195,11 @@ def stage_costs(opts: dict, work: Path) -> dict[str, tuple[float, float]]:
     forward, costs, per_shard = TargetForward(loaded.target, device), {}, cfg.features.shard_batches
     items = []
     for i, batch in enumerate(batches):
-        with clocks(costs, "target pass"):
+        with clocks(costs, "target pass"):  # as the build: the features and the target's argmax
             items.append(forward(batch))
+            argmax = greedy_tokens(items[-1].last_hidden, loaded.target.lm_head.weight)
         with clocks(costs, "store write"):
-            writer.add(batch, items[-1].target_hidden, items[-1].last_hidden)
+            writer.add(batch, items[-1].target_hidden, items[-1].last_hidden, argmax)
             if (i + 1) % per_shard == 0 or i + 1 == len(batches):  # as the build commits its shards
                 writer.commit(i // per_shard)
     with clocks(costs, "store write"):
