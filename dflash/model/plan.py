@@ -357,8 +357,9 @@ def flops_per_sequence(model_cfg, t: TargetShape, seq_len: int, anchors: int) ->
                 mask computes (a dense mask on a CPU computes all seq_len + anchors x block); under
                 model.sliding_window W < seq_len the context a uniform anchor sees is W - W^2 / (2 seq_len)
               + 6 x hidden x vocab x anchors x (block - 1): the frozen LM head's forward and input gradient (4)
-                and the teacher's logits from the stored last hidden state (2), for every loss (sim_tau compares
-                the draft's argmax with the teacher's)"""
+                and the teacher's logits from the last hidden state (2), counted for every loss: an upper bound
+                for a loss without the KL, which reads a store's target argmax instead (sim_tau's) or online
+                computes it once per distinct position"""
     d = drafter_shape(model_cfg, t)
     S, A, B, H = seq_len, anchors, model_cfg.block_size, t.hidden
     block_tokens = A * B
