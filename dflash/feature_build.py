@@ -41,6 +41,7 @@ from dflash.train.feature_store import (
 )
 from dflash.train.trainer import total_steps
 
+BUILD_LOCK = ".build.lock"  # opened by every build, complete or not: its mtime is no sign of new batches
 log = logging.getLogger(__name__)
 
 
@@ -66,7 +67,7 @@ def build_store(cfg: DictConfig, world: World | None = None, files=None, fingerp
     batches, needed = planned_bytes(cfg, files)
     store.mkdir(parents=True, exist_ok=True)
     # another job building this store: rank 0 waits for it (then finds it complete); its ranks wait for rank 0
-    with open(store / ".build.lock", "w") if world.is_main else nullcontext() as lock:
+    with open(store / BUILD_LOCK, "w") if world.is_main else nullcontext() as lock:
         if lock is not None:
             fcntl.flock(lock, fcntl.LOCK_EX)
         if world.main_first(lambda: _ready(store, manifest, cfg, world, needed, batches)):

@@ -32,9 +32,11 @@ def fake(tmp_path, monkeypatch):
 
     def run(cmd):
         calls.append(cmd)
-        if cmd[1:3] == ["-m", "dflash.features"] and not store.exists():
-            store.mkdir(parents=True)
-            (store / "shard-0.safetensors").write_bytes(b"x")
+        if cmd[1:3] == ["-m", "dflash.features"]:
+            if not store.exists():
+                store.mkdir(parents=True)
+                (store / "shard-0.safetensors").write_bytes(b"x")
+            (store / ".build.lock").write_text("")  # every build opens its lock, complete store or not
         if cmd[1] == "launch.py":
             where = next(a.split("=", 1)[1] for a in cmd if a.startswith(("hydra.run.dir=", "resume=")))
             Path(where).mkdir(parents=True, exist_ok=True)

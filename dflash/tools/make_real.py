@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from dflash.feature_build import BUILD_LOCK
 from dflash.jsonio import write_json
 from dflash.rundir import BENCH_FILE, STATUS_FILE, SUMMARY_FILE
 from dflash.tools import sharegpt_data
@@ -68,7 +69,12 @@ def phase_data(args: argparse.Namespace) -> bool:
 
 
 def _files(root: Path) -> dict[str, tuple[int, int]]:
-    return {str(f): (f.stat().st_size, f.stat().st_mtime_ns) for f in root.rglob("*") if f.is_file()}
+    """Every file's size and mtime, but the build lock's, which every build opens."""
+    return {
+        str(f): (f.stat().st_size, f.stat().st_mtime_ns)
+        for f in root.rglob("*")
+        if f.is_file() and f.name != BUILD_LOCK
+    }
 
 
 def phase_store(cfg, common: list[str]) -> bool:
