@@ -281,3 +281,26 @@ def test_traces_of_a_sharded_target_change_with_any_shard(tmp_path):
     before = TraceCache(tmp_path / "replay", target_identity(str(target)), settings).path([1, 2, 3])
     (target / shards[1]).write_bytes(b"other weights")
     assert TraceCache(tmp_path / "replay", target_identity(str(target)), settings).path([1, 2, 3]) != before
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_familys_eval_reports_sim_tau_from_its_own_rule(setup, family):
+    """evaluate(sim_tau=True) gives every family the teacher-forced estimates, its blocks drafted by its own rule:
+    at temperature 0 eval/sim_tau_replay walks the cycles real decoding took, so their accepted lengths agree."""
+    from statistics import mean
+
+    from dflash.evaluation.evaluator import evaluate
+    from dflash.evaluation.sim_tau import block_accept_lengths, replay
+
+    target, zero, _, prompts = setup
+    drafter = _family_drafter(target, zero, family.split("-")[0], **FAMILIES[family])
+    m = evaluate(target, drafter, prompts, max_new_tokens=N, block_size=B, baselines=False, warmup=False, sim_tau=True)
+    assert {"eval/sim_tau", "eval/sim_tau_greedy", "eval/sim_tau_replay"} <= set(m)
+    visited_all = []
+    for prompt, row in zip(prompts, m["details"]["prompts"]):
+        lengths = block_accept_lengths(target, drafter, list(prompt) + row["tokens"], len(prompt), B)[0]
+        visited = replay(lengths)
+        assert visited == row["accept_lengths"][: len(visited)]  # the real cycles, read from parallel blocks
+        visited_all += visited
+    assert m["eval/sim_tau_replay"] == pytest.approx(mean(visited_all))
+    assert set(visited_all) - {1}, "a trivial case: no cycle accepted a draft"

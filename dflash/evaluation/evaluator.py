@@ -34,7 +34,6 @@ from dflash.evaluation.replay import TraceCache, replay_evaluate, target_identit
 from dflash.evaluation.sim_tau import sim_tau_metrics
 from dflash.model.build import init_drafter
 from dflash.model.drafter import DFlashDraftModel
-from dflash.model.families import family_name
 from dflash.repetition import degenerate_share, is_degenerate
 from dflash.rundir import RunDir
 from dflash.terminal import display
@@ -160,9 +159,9 @@ def evaluate(
             target_only, dflash = results["target only"], results["dflash"]
             lookup, untrained = results["prompt lookup"], results["untrained"]
             estimates = {}
-            # after the timed runs: the same prompts, the target's own continuations of them. Their blocks are
-            # DFlash's (argmax per slot), so a family with another proposal rule (DSpark's Markov head) has none
-            if sim_tau and family_name(drafter.config) == "dflash":
+            # after the timed runs: the same prompts, the target's own continuations of them; each block drafted
+            # by the family's own proposal rule (sim_tau.drafted_lengths)
+            if sim_tau:
                 estimates = sim_tau_metrics(model, drafter, prompts, [r.tokens for r in target_only], block_size)
     finally:
         for d, mode in zip(drafters, modes):
