@@ -12,8 +12,9 @@ loss: the fused chunked loss (`dflash_loss`) against full-logits autograd (`dfla
       device=cpu.
 step: one drafter training step (blocks, forward, fused loss, backward) at a long sequence, full attention
       against model.sliding_window sizes and what the loss gets of the target (teachers=none,logits,online,argmax:
-      the target's argmax from its logits, computed per distinct position, or a store's), each in a fresh
-      subprocess: step time and peak memory side by side. Options: seq_len=4096 windows=none,512 anchors=64
+      the target's argmax from its logits, computed per distinct position, or a store's) and train.anchor_budget
+      over rows of mixed lengths (budgets=none,K lengths=4096,512,...), each in a fresh subprocess: step time and
+      peak memory side by side. Options: seq_len=4096 windows=none,512 anchors=64
       block_size=16 ...; see dflash/tools/bench/step.py.
 soak: a long run of the real job (async pipeline, evals, checkpoints, W&B offline) watching its RSS;
       see dflash/tools/bench/soak.py.

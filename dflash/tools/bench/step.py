@@ -8,15 +8,21 @@ forward and backward through `dflash_loss` (`loss`, ce_decay). Inputs are random
 (default: a 1-layer drafter of 1024 hidden units, 16 heads of 64, 4 KV heads). Peak memory is the rise of the
 worker's peak RSS (CPU) or max_memory_allocated (CUDA) over the mark taken once the inputs exist.
 
+budgets: none (train.num_anchors per row: every row's anchor tensor is `anchors` wide, padded with invalid blocks
+where a row has fewer positions) against train.anchor_budget=K (the batch's anchors capped at K and shared by
+`anchor_counts`' rule: the tensor is as wide as the largest row's count). `lengths` gives each row's supervised
+tokens (the rest of the row is padding, as in a batch of mixed lengths; their count is the batch), so a budget's
+effect on memory with mixed lengths is measured side by side.
+
 teachers: none (no target: no train/sim_tau), logits (the target's last hidden states: its argmax from its logits, an
 LM-head matmul per chunk: before target_next), online (the argmax computed in the step once per distinct position, as
 the trainer does online without a KL), argmax (a feature store's: no teacher logits unless the loss has a KL).
 
 Options: seq_len=4096 windows=none,512 teachers=none anchors=64 block_size=16 batch=1 hidden=1024 heads=16
 kv_heads=4 head_dim=64 intermediate=2816 layers=1 features=2 vocab=8192 chunk_size=256 loss=ce_decay repeats=2
-dtype=float32 device=cpu. The real target's LM head (SmolLM2-135M): hidden=576 vocab=49152 heads=9 kv_heads=3
-head_dim=64 intermediate=1536 layers=2 features=3 seq_len=256 batch=4 anchors=32 block_size=8 windows=none
-teachers=logits,online,argmax
+dtype=float32 device=cpu budgets=none lengths= (empty: `batch` rows of seq_len). The real target's LM head
+(SmolLM2-135M): hidden=576 vocab=49152 heads=9 kv_heads=3 head_dim=64 intermediate=1536 layers=2 features=3
+seq_len=256 batch=4 anchors=32 block_size=8 windows=none teachers=logits,online,argmax
 """
 
 from __future__ import annotations
@@ -48,7 +54,18 @@ STEP_DEFAULTS: dict[str, str] = {
     "repeats": "2",
     "dtype": "float32",
     "device": "cpu",
+    "budgets": "none",
+    "lengths": "",
 }
+
+
+def row_lengths(o: dict) -> list[int]:
+    """Each row's supervised tokens: `lengths`, or `batch` rows of seq_len."""
+    S = int(o["seq_len"])
+    lengths = [int(x) for x in o["lengths"].split(",") if x.strip()] or [S] * int(o["batch"])
+    if any(not 0 < n <= S for n in lengths):
+        raise SystemExit(f"lengths= takes 1..seq_len ({S}) tokens a row, got {o['lengths']!r}")
+    return lengths
 
 
 def _drafter(o: dict, window: int | None):
@@ -78,7 +95,7 @@ def _drafter(o: dict, window: int | None):
 
 
 def _worker(args: list[str]) -> None:
-    """Child process: one window and teacher ("WINDOW/TEACHER"), `repeats` steps, one JSON line."""
+    """Child process: one window, teacher and budget ("WINDOW/TEACHER/BUDGET"), `repeats` steps, one JSON line."""
     import torch
 
     from dflash.model.blocks import build_training_blocks, gather_positions, sample_anchors
@@ -86,10 +103,12 @@ def _worker(args: list[str]) -> None:
     from dflash.model.target import greedy_tokens, greedy_tokens_at
     from dflash.model.window import draft_window
 
-    name, teacher = args[0].split("/")
+    name, teacher, budget_name = args[0].split("/")
     window, o = (None if name == "none" else int(name)), json.loads(args[1])
+    budget = None if budget_name == "none" else int(budget_name)
     device, dtype = torch.device(o["device"]), getattr(torch, o["dtype"])
-    S, B, bsz, H, V = int(o["seq_len"]), int(o["block_size"]), int(o["batch"]), int(o["hidden"]), int(o["vocab"])
+    lengths = row_lengths(o)
+    S, B, bsz, H, V = int(o["seq_len"]), int(o["block_size"]), len(lengths), int(o["hidden"]), int(o["vocab"])
     torch.manual_seed(0)
     drafter = _drafter(o, window).to(device, dtype)
     g = torch.Generator(device=device).manual_seed(0)
@@ -97,7 +116,7 @@ def _worker(args: list[str]) -> None:
     feats = torch.randn(bsz, S, int(o["features"]) * H, generator=g, device=device, dtype=dtype)
     embed = torch.randn(V, H, generator=g, device=device, dtype=dtype)
     head = torch.randn(V, H, generator=g, device=device, dtype=dtype).mul_(H**-0.5)
-    loss_mask = torch.ones(bsz, S, dtype=torch.bool, device=device)
+    loss_mask = torch.arange(S, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
     last_hidden = torch.randn(bsz, S, H, generator=g, device=device, dtype=dtype)
     stored_next = greedy_tokens(last_hidden, head)  # a store's target_next, made before the steps are timed
 
@@ -115,7 +134,7 @@ def _worker(args: list[str]) -> None:
     for step in range(int(o["repeats"])):
         drafter.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        anchors, valid = sample_anchors(loss_mask, int(o["anchors"]), B, torch.Generator().manual_seed(step))
+        anchors, valid = sample_anchors(loss_mask, int(o["anchors"]), B, torch.Generator().manual_seed(step), budget)
         anchors, valid = anchors.to(device), valid.to(device)
         blocks = build_training_blocks(ids, loss_mask, anchors, valid, B, 0, attention, draft_window(drafter.config))
         out = drafter(embed[blocks.input_ids], feats, blocks.position_ids, attention_mask=blocks.attention_mask)
@@ -142,16 +161,23 @@ def _worker(args: list[str]) -> None:
         else:
             peak_mb = max(peak_mb, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss_kb) / 1024)
     mask = type(blocks.attention_mask).__name__
-    print(json.dumps({"peak_mb": peak_mb, "times_s": times, "loss": loss.item(), "mask": mask}))
+    blocks_done = {"blocks": int(valid.sum()), "computed": int(valid.numel())}
+    print(json.dumps({"peak_mb": peak_mb, "times_s": times, "loss": loss.item(), "mask": mask, **blocks_done}))
 
 
 def bench(args: list[str]) -> None:
-    """Full attention against sliding windows, and each teacher: step time and peak memory of one drafter step."""
+    """Full attention against sliding windows, each teacher and each anchor budget: step time and peak memory of one
+    drafter step."""
     import torch
 
     o = parse_opts(args, STEP_DEFAULTS)
     windows = [w.strip() for w in o["windows"].split(",") if w.strip()]
     teachers = [t.strip() for t in o["teachers"].split(",") if t.strip()]
+    budgets = [b.strip() for b in o["budgets"].split(",") if b.strip()]
+    lengths = row_lengths(o)
+    if not budgets or any(b != "none" and not (b.isdigit() and int(b) >= len(lengths)) for b in budgets):
+        rows = len(lengths)
+        raise SystemExit(f"budgets= takes none or anchor budgets >= the batch's {rows} rows, got {o['budgets']!r}")
     if not teachers or set(teachers) - {"none", "logits", "online", "argmax"} or o["loss"] not in ("ce_decay", "kl"):
         raise SystemExit("teachers= takes none, logits, online, argmax (comma-separated); loss= ce_decay or kl")
     if o["loss"] == "kl" and {"none", "online"} & set(teachers):
@@ -159,33 +185,44 @@ def bench(args: list[str]) -> None:
     S, n, B = int(o["seq_len"]), int(o["anchors"]), int(o["block_size"])
     print(
         f"step bench: drafter training step (forward + backward, {o['loss']}), seq_len {S}, {n} anchors x block {B}, "
-        f"batch {o['batch']}, {o['layers']} layer(s) of hidden {o['hidden']} ({o['heads']} heads x {o['head_dim']}, "
+        f"rows of {','.join(map(str, lengths))} supervised tokens, {o['layers']} layer(s) of hidden {o['hidden']} "
+        f"({o['heads']} heads x {o['head_dim']}, "
         f"{o['kv_heads']} KV heads), vocab {o['vocab']}, {o['dtype']} on {o['device']}, "
         f"{torch.get_num_threads()} torch threads, {o['repeats']} repeats"
     )
     print("memory: rise of the worker's peak RSS (CPU) / max_memory_allocated (CUDA) over the mark after inputs")
-    results = {(w, t): run_worker("dflash.tools.bench.step", f"{w}/{t}", o) for w in windows for t in teachers}
+    results = {
+        (w, t, b): run_worker("dflash.tools.bench.step", f"{w}/{t}/{b}", o)
+        for w in windows
+        for t in teachers
+        for b in budgets
+    }
     print(
-        f"{'window':<8} {'teacher':<8} {'keys/query':>10} {'mask':>22} {'peak MiB':>10} {'best s':>8} {'all s':>16} "
-        f"{'loss':>10}"
+        f"{'window':<8} {'teacher':<8} {'budget':>6} {'blocks':>13} {'keys/query':>10} {'mask':>22} {'peak MiB':>10} "
+        f"{'best s':>8} {'all s':>16} {'loss':>10}"
     )
-    for (w, t), r in results.items():
-        keys = S + n * B if w == "none" or int(w) >= S else int(w) - 1 + B
+    for (w, t, b), r in results.items():
+        width = r["computed"] // len(lengths)  # the anchor tensor's width: the keys of full attention follow it
+        keys = S + width * B if w == "none" or int(w) >= S else int(w) - 1 + B
         all_s = ", ".join(f"{x:.3f}" for x in r["times_s"])
+        blocks = f"{r['blocks']}/{r['computed']}"  # trained / computed (the rest pad the anchor tensor)
         print(
-            f"{w:<8} {t:<8} {keys:>10} {r['mask']:>22} {r['peak_mb']:>10.0f} {min(r['times_s']):>8.3f} {all_s:>16} "
-            f"{r['loss']:>10.4f}"
+            f"{w:<8} {t:<8} {b:>6} {blocks:>13} {keys:>10} {r['mask']:>22} {r['peak_mb']:>10.0f} "
+            f"{min(r['times_s']):>8.3f} {all_s:>16} {r['loss']:>10.4f}"
         )
 
     def ratio(label: str, r: dict, ref: dict) -> None:
         memory, time_ = r["peak_mb"] / max(ref["peak_mb"], 1e-9), min(r["times_s"]) / min(ref["times_s"])
         print(f"{label}: peak memory {memory:.2f}x, time {time_:.2f}x")
 
-    for (w, t), r in results.items():
-        if w != "none" and ("none", t) in results:
-            ratio(f"window {w} / full ({t})", r, results["none", t])
-        if t in ("online", "argmax") and (w, "logits") in results:
-            ratio(f"window {w}: {t} / logits", r, results[w, "logits"])
+    for (w, t, b), r in results.items():
+        at = "" if b == "none" else f", budget {b}"
+        if w != "none" and ("none", t, b) in results:
+            ratio(f"window {w} / full ({t}{at})", r, results["none", t, b])
+        if t in ("online", "argmax") and (w, "logits", b) in results:
+            ratio(f"window {w}: {t} / logits{at}", r, results[w, "logits", b])
+        if b != "none" and (w, t, "none") in results:
+            ratio(f"budget {b} / per-row anchors (window {w}, {t})", r, results[w, t, "none"])
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["_worker"]:  # one window, in its own process

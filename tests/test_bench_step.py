@@ -1,0 +1,31 @@
+"""`python -m dflash.bench step budgets=none,K lengths=...`: train.anchor_budget's effect on a step over rows of mixed
+lengths, side by side with per-row anchors (issue 39: the budget's effect on memory with mixed lengths)."""
+
+import subprocess
+import sys
+
+SMALL = ["hidden=64", "heads=2", "kv_heads=1", "head_dim=32", "intermediate=128", "vocab=500", "repeats=1"]
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "dflash.bench", "step", "seq_len=64", "block_size=8", "windows=none", *SMALL, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def test_a_budget_caps_the_blocks_of_a_batch_of_mixed_lengths():
+    out = _bench("anchors=32", "lengths=64,16,16,16", "budgets=none,24")
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {line.split()[2]: line.split() for line in out.stdout.splitlines() if line.startswith("none ")}
+    # per row: 32 anchors wide; a 16-token row has 15 anchor positions (a + 1 supervised), so 32 + 3 x 15 train
+    assert rows["none"][3] == "77/128"
+    # K = 24: one each, the other 20 shared in proportion to (31, 14, 14, 14): 8 + 3 x 3, the 3 left over to the
+    # largest remainders (rows 1-3), so (9, 5, 5, 5): the tensor is 9 wide
+    assert rows["24"][3] == "24/36"
+    assert "budget 24 / per-row anchors (window none, none): peak memory" in out.stdout
+
+
+def test_bad_budgets_and_lengths_are_refused_by_name():
+    out = _bench("lengths=64,16,16", "budgets=2")
+    assert out.returncode != 0 and "budgets= takes none or anchor budgets >= the batch's 3 rows" in out.stderr
+    out = _bench("lengths=64,80")
+    assert out.returncode != 0 and "lengths= takes 1..seq_len (64) tokens a row" in out.stderr
