@@ -15,6 +15,8 @@
 #      and credits on separate communicators; on 3 GPUs also 1 target + 2 drafter ranks)
 #   5. issue 25: a feature store built on CUDA (bf16 and fp8), and training from it with the async pipeline
 #   6. issue 5: the pipeline bench on a ~1B-parameter Qwen3-shaped target, bf16: tokens/s, busy fractions, MFU
+#   7. issue 39: model.sliding_window on CUDA (FlexAttention) at SmolLM2-135M's drafter widths, 8k tokens: step
+#      time and peak memory of full attention against windows of 2048 and 512 (on a CPU the window costs memory)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -22,7 +24,7 @@ OUT=${OUT:-gpu_checks_out}
 mkdir -p "$OUT"
 export WANDB_MODE=disabled DFLASH_CACHE_DIR="$OUT/cache" PYTHONUNBUFFERED=1
 SUMMARY="$OUT/summary.txt"
-CHECKS=${CHECKS:-1 2 3 4 5 6}  # e.g. CHECKS="6" runs the 1B bench alone (a GPU lease is short)
+CHECKS=${CHECKS:-1 2 3 4 5 6 7}  # e.g. CHECKS="6" runs the 1B bench alone (a GPU lease is short)
 wants() { [[ " $CHECKS " == *" $1 "* ]]; }
 : > "$SUMMARY"
 
@@ -114,6 +116,14 @@ if wants 6; then
   echo "== 6. pipeline bench, 1B target, bf16"
   run bench_1b 300 "$PY" -m dflash.bench pipeline size=1b device=cuda dtype=bfloat16
   tail -14 "$OUT/bench_1b.log"
+fi
+
+if wants 7; then
+  echo "== 7. issue 39: sliding-window draft attention on CUDA, SmolLM2-135M's drafter widths, 8k tokens"
+  run bench_window 240 "$PY" -m dflash.bench step device=cuda dtype=bfloat16 hidden=576 vocab=49152 heads=9 \
+    kv_heads=3 head_dim=64 intermediate=1536 layers=2 features=3 block_size=8 teachers=argmax repeats=3 \
+    seq_len=8192 anchors=512 windows=none,2048,512
+  tail -6 "$OUT/bench_window.log"
 fi
 
 echo "== summary"
