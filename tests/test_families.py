@@ -3,6 +3,8 @@ sequential proposal and lossless verification, the confidence calibration, and t
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import compose_config, launch
@@ -299,6 +301,20 @@ def test_cost_per_draft_cycle_counts_the_heads_and_prints_every_family(capsys):
            "block=4", "ctx=8", "rank=8", "repeats=1", "warmup=0"])  # fmt: skip
     rows = capsys.readouterr().out.splitlines()[2:]
     assert [r.split()[0] for r in rows] == ["dflash", "dspark/vanilla", "dspark/gated", "dspark/rnn", "dflash2"]
+
+
+def test_cost_per_draft_cycle_with_a_target_gives_each_family_its_break_even_tau(capsys):
+    from dflash.tools.bench.families import bench
+
+    bench(["hidden=64", "vocab=500", "layers=1", "heads=2", "kv_heads=1", "head_dim=32", "intermediate=128",
+           "block=4", "ctx=8", "rank=8", "repeats=1", "warmup=0", "target_layers=2"])  # fmt: skip
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split()[-2:] == ["break-even", "tau"]
+    step, verify = (float(x) for x in re.findall(r"decode step ([\d.]+) ms, verify forward of 4 tokens ([\d.]+) ms",
+                                                 out[-1])[0])  # fmt: skip
+    for row in out[2:7]:  # (verify + proposal) / decode step, from the printed latencies (2 decimals)
+        ms, even = float(row.split()[-3]), float(row.split()[-1])
+        assert abs(even - (verify + ms) / step) < 0.01 + 0.01 * even
 
 
 @pytest.mark.slow

@@ -15,8 +15,15 @@ from the anchor: block - 1) and K = block - 1 drafts:
   dflash2    per layer, the two convolutions: 2 x (2 x hidden x 2 taps x hidden / group) x S (their kernels) +
              2 x 2 x 2 x taps x hidden x S (input and output side); the selector: (2 hidden + 1 + 2 top_k) x rank x K
 The context's own K/V projection (fc, k_proj, v_proj of the accepted tokens) is the same for every family at equal
-acceptance and is left out. Options: hidden=512 vocab=32000 layers=2 heads=8 kv_heads=4 head_dim=64
-intermediate=1536 block=16 ctx=256 rank=256 repeats=20 warmup=3 threads=0 (0: torch's default).
+acceptance and is left out.
+
+target_layers=N (0: off) also times a target of these widths and N layers (random weights: a Qwen3 of the real
+target's shape; SmolLM2-135M: 30) after the same `ctx` cached positions: one decode step (1 token) and one verify
+forward (`block` tokens), taking turns with the proposals, and prints each family's break-even tau, (verify +
+proposal) / decode step: the tau a drafter must pass before speculative decoding beats the target alone here.
+
+Options: hidden=512 vocab=32000 layers=2 heads=8 kv_heads=4 head_dim=64 intermediate=1536 block=16 ctx=256
+rank=256 repeats=20 warmup=3 threads=0 (0: torch's default) target_layers=0.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ def _options(args: list[str]) -> dict[str, int]:
         repeats=20,
         warmup=3,
         threads=0,
+        target_layers=0,
     )
     for arg in args:
         key, _, value = arg.partition("=")
@@ -109,9 +117,27 @@ def proposal_flops(drafter, opts: dict[str, int]) -> float:
     return float(flops)
 
 
-def proposal_latencies_ms(drafters: list, target, opts: dict[str, int]) -> list[float]:
+def _target_calls(full_target, opts: dict[str, int]) -> list:
+    """The target's decode step and verify forward after `ctx` cached positions, each a call that leaves the
+    cache as it found it."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, opts["vocab"], (1, opts["ctx"] + opts["block"]), generator=g)
+    cache = full_target(input_ids=ids[:, : opts["ctx"]], use_cache=True).past_key_values
+
+    def call(n: int):
+        def run() -> None:
+            full_target(input_ids=ids[:, opts["ctx"] : opts["ctx"] + n], past_key_values=cache, use_cache=True)
+            cache.crop(-n)  # back to the ctx cached positions
+
+        return run
+
+    return [call(1), call(opts["block"])]
+
+
+def proposal_latencies_ms(drafters: list, target, opts: dict[str, int], extra_calls: list = ()) -> list[float]:
     """Median wall time of one proposal (the verify loop's proposer) per drafter, with `ctx` cached context
-    positions; the drafters take turns call by call, so a load that drifts on a shared machine hits them alike."""
+    positions, then of each of `extra_calls`; all take turns call by call, so a load that drifts on a shared
+    machine hits them alike."""
     from dflash.evaluation.decoding import DFlashProposer
 
     g = torch.Generator().manual_seed(0)
@@ -120,11 +146,12 @@ def proposal_latencies_ms(drafters: list, target, opts: dict[str, int]) -> list[
     proposers = [DFlashProposer(d, target) for d in drafters]
     for proposer in proposers:
         proposer.propose(seq, feats, opts["block"] - 1)  # caches the context; later calls add no new position
-    times: list[list[float]] = [[] for _ in drafters]
+    calls = [lambda p=p: p.propose(seq, feats[:, :0], opts["block"] - 1) for p in proposers] + list(extra_calls)
+    times: list[list[float]] = [[] for _ in calls]
     for i in range(opts["warmup"] + opts["repeats"]):
-        for proposer, own in zip(proposers, times):
+        for call, own in zip(calls, times):
             t0 = time.perf_counter()
-            proposer.propose(seq, feats[:, :0], opts["block"] - 1)
+            call()
             if i >= opts["warmup"]:
                 own.append(time.perf_counter() - t0)
     return [1000 * statistics.median(t) for t in times]
@@ -157,8 +184,24 @@ def bench(args: list[str]) -> None:
     ):
         names.append(family + (f"/{head}" if head else ""))
         drafters.append(_drafter(opts, family, head))
+    full = None
+    if opts["target_layers"]:
+        full = Qwen3ForCausalLM(
+            Qwen3Config(
+                vocab_size=opts["vocab"],
+                hidden_size=opts["hidden"],
+                num_hidden_layers=opts["target_layers"],
+                num_attention_heads=opts["heads"],
+                num_key_value_heads=opts["kv_heads"],
+                head_dim=opts["head_dim"],
+                intermediate_size=opts["intermediate"],
+                max_position_embeddings=opts["ctx"] + 2 * opts["block"],
+            )
+        ).eval()
     with torch.no_grad():
-        latencies = proposal_latencies_ms(drafters, target, opts)
+        extra = _target_calls(full, opts) if full is not None else []
+        latencies = proposal_latencies_ms(drafters, target, opts, extra)
+    target_ms = latencies[len(drafters) :]
     rows = []
     for name, drafter, ms in zip(names, drafters, latencies):
         heads = sum(
@@ -173,10 +216,16 @@ def bench(args: list[str]) -> None:
     )
     print(
         f"{'family':<16}{'params (M)':>12}{'heads (M)':>11}{'GFLOP/proposal':>16}{'x dflash':>10}"
-        f"{'CPU ms':>10}{'x dflash':>10}"
+        f"{'CPU ms':>10}{'x dflash':>10}" + (f"{'break-even tau':>16}" if target_ms else "")
     )
     for name, total, heads, flops, ms in rows:
+        even = f"{(target_ms[1] + ms) / target_ms[0]:>16.2f}" if target_ms else ""
         print(
             f"{name:<16}{total / 1e6:>12.2f}{heads / 1e6:>11.2f}{flops / 1e9:>16.3f}{flops / base_flops:>10.2f}"
-            f"{ms:>10.2f}{ms / base_ms:>10.2f}"
+            f"{ms:>10.2f}{ms / base_ms:>10.2f}{even}"
+        )
+    if target_ms:
+        print(
+            f"target ({opts['target_layers']} layers, random weights): decode step {target_ms[0]:.2f} ms, verify "
+            f"forward of {opts['block']} tokens {target_ms[1]:.2f} ms; break-even tau = (verify + proposal) / step"
         )
