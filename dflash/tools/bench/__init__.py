@@ -31,7 +31,8 @@ sweep: a 4-job multirun over loss.kl_temperature online against from a feature s
       I/O), PASS/MISS against the goal of 10%, also per step (fixed costs cancelled by a second size,
       base_steps=1). Options: steps=30 jobs=4 seed=0 modes=sync,async ...; see dflash/tools/bench/sweep.py.
 families: each drafter family's cost per draft cycle at one block size (parameters, FLOPs of one proposal, its
-      measured CPU latency), side by side; see dflash/tools/bench/families.py.
+      measured CPU latency), side by side, and with target_layers=N each family's break-even tau against a target
+      of those widths; see dflash/tools/bench/families.py.
 """
 
 from __future__ import annotations
