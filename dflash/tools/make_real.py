@@ -6,8 +6,8 @@ end to end, one phase after another, each cached so that a second run reuses eve
              (OUT/regen.jsonl; python -m dflash.tools.sharegpt_data)
     store    the run's feature store (python -m dflash.features build experiment=smollm2_sharegpt)
     train    the drafter trained from the store, then its final eval: held-out prompts and the humaneval, sharegpt
-             and mt-bench suites (python launch.py experiment=smollm2_sharegpt, in OUT/run, or OUT/run-<hash of
-             the overrides>; resumed if cut short)
+             and mt-bench suites (python launch.py experiment=smollm2_sharegpt, in OUT/run-<hash of its resolved
+             config, data and target>; resumed if cut short)
 
 OVERRIDES (Hydra's, as for launch.py) go to every phase. Each phase shows its own progress; OUT/phases.json has each
 phase's seconds and whether it reused its cache, and the last lines print them with the run's tau per suite.
@@ -85,15 +85,27 @@ def phase_store(cfg, common: list[str]) -> bool:
     return bool(before) and _files(root) == before
 
 
-def run_dir_for(args: argparse.Namespace) -> Path:
-    """OUT/run, or OUT/run-<hash> with overrides: a run made with other overrides is never reused for these."""
-    if not args.overrides:
-        return args.out / "run"
-    return args.out / f"run-{hashlib.sha256(' '.join(args.overrides).encode()).hexdigest()[:8]}"
+def run_key(cfg) -> str:
+    """What the train phase's run is made of: the resolved config (but `logging`, which changes no weight), the
+    data's fingerprint (its files' hashes, the tokenizer) and the target's weights' hashes, hashed."""
+    from omegaconf import OmegaConf
+
+    from dflash.data.fingerprint import data_fingerprint, target_hashes
+
+    config = OmegaConf.to_container(cfg, resolve=True)
+    config.pop("logging", None)
+    what = {"config": config, "data": data_fingerprint(cfg.data, cfg.model.target),
+            "target": target_hashes(cfg.model.target)}  # fmt: skip
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
-def phase_train(args: argparse.Namespace, common: list[str]) -> bool:
-    run_dir = run_dir_for(args)
+def run_dir_for(out: Path, cfg) -> Path:
+    """OUT/run-<run_key>: a run is reused only for what it was made of, so another default, override, data file or
+    target trains anew instead of reusing a completed run made before."""
+    return out / f"run-{run_key(cfg)}"
+
+
+def phase_train(run_dir: Path, common: list[str]) -> bool:
     status = _status(run_dir)
     if status == "completed":
         log.info("%s completed before: reused (delete it to train again)", run_dir)
@@ -140,13 +152,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_json(args.out / "phases.json", phases)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    cfg = sharegpt_data.compose(EXPERIMENT, args.overrides)
+    cfg = sharegpt_data.compose(EXPERIMENT, common[1:])  # as every phase gets it
     target_dir = Path(cfg.model.target).expanduser()
     timed("target", lambda: (target_dir / "config.json").exists() or not sharegpt_data.ensure_target(cfg.model))
     timed("data", lambda: phase_data(args))
     timed("store", lambda: phase_store(cfg, common))
-    timed("train", lambda: phase_train(args, common))
-    for line in summary_lines(run_dir_for(args), phases):
+    run_dir = run_dir_for(args.out, cfg)  # after the data phase: the key hashes the data
+    log.info("the run: %s", run_dir)
+    timed("train", lambda: phase_train(run_dir, common))
+    for line in summary_lines(run_dir, phases):
         print(line)
     return 0
 
