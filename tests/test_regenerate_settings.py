@@ -26,10 +26,7 @@ class _Backend:
 
 def _input(tmp_path, n: int = 6):
     inp = tmp_path / "in.jsonl"
-    rows = [
-        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]} for i in range(n)
-    ]
-    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    inp.write_text("".join(_record(i) for i in range(n)))
     return inp
 
 
@@ -84,6 +81,33 @@ def test_a_resume_from_another_input_is_refused_naming_both(tmp_path):
     outcome = regenerate_file(moved, out, backend, chunk_size=2)
     assert (outcome.done_before, outcome.completed) == (2, 4)
     assert [json.loads(line)["source_index"] for line in out.read_text().splitlines()] == list(range(6))
+
+
+def test_an_input_grown_by_more_records_keeps_the_answers_made(tmp_path):
+    """`make real REAL_RECORDS=1200` after 400: the first 400 prompts are the same records, so their answers are
+    kept and only the new ones are asked; the same prompts in another order are refused (source_index would lie)."""
+    from dflash.tools.regenerate import regenerate_file
+
+    out = tmp_path / "out.jsonl"
+    regenerate_file(_input(tmp_path, 4), out, _Backend("chat-v1"), chunk_size=2)
+    grown, backend = _input(tmp_path, 7), _Backend("chat-v1")
+    outcome = regenerate_file(grown, out, backend, chunk_size=2)
+    assert (outcome.done_before, outcome.completed, backend.asked) == (4, 3, 3)
+    assert [json.loads(line)["messages"][0]["content"] for line in out.read_text().splitlines()] == [
+        f"q{i}" for i in range(7)
+    ]
+
+    shuffled = tmp_path / "shuffled.jsonl"
+    shuffled.write_text("".join(reversed(grown.read_text().splitlines(keepends=True))) + _record(7))
+    backend = _Backend("chat-v1")
+    with pytest.raises(ValueError, match="7 answers made with other settings \\(input: "):
+        regenerate_file(shuffled, out, backend, chunk_size=2)
+    assert backend.asked == 0
+
+
+def _record(i: int) -> str:
+    turns = [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]
+    return json.dumps({"messages": turns}) + "\n"
 
 
 def test_a_new_output_takes_any_settings(tmp_path):

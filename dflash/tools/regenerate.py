@@ -74,9 +74,10 @@ def _shown(key: str, value) -> str:
     return repr(value)
 
 
-def check_same_settings(out: Path, settings: dict, done: int) -> None:
+def check_same_settings(out: Path, settings: dict, done: int, inputs=None) -> None:
     """Refuse to add to OUT's `done` answers with other settings (or from another input) than they were made
-    with; then record these."""
+    with; then record these. Another input is accepted when every answer in OUT asks what the new input's record of
+    its source_index asks (`inputs`, as read_inputs gives them): e.g. an input grown by more records."""
     path = settings_path(out)
     if done and path.exists():
         before = json.loads(path.read_text())
@@ -84,18 +85,41 @@ def check_same_settings(out: Path, settings: dict, done: int) -> None:
             log.warning("%s: %s records no input (an older version wrote it): IN is not checked", out, path.name)
             before["input"] = settings.get("input")
         differ = [
-            f"{key}: OUT {_shown(key, before.get(key))} vs now {_shown(key, settings.get(key))}"
-            for key in sorted(set(before) | set(settings))
-            if not _same(key, before.get(key), settings.get(key))
+            key for key in sorted(set(before) | set(settings)) if not _same(key, before.get(key), settings.get(key))
         ]
-        if differ:
+        if differ == ["input"] and inputs is not None and _answers_ask_the_same(out, inputs):
+            log.info("%s: its %d answers ask what the new input's records ask: kept (the input grew)", out, done)
+        elif differ:
+            shown = [f"{k}: OUT {_shown(k, before.get(k))} vs now {_shown(k, settings.get(k))}" for k in differ]
             raise ValueError(
-                f"{out} holds {done} answers made with other settings ({'; '.join(differ)}): "
+                f"{out} holds {done} answers made with other settings ({'; '.join(shown)}): "
                 "remove it (and its .settings.json) or write to another OUT"
             )
     elif done:
         log.warning("%s: %d answers and no %s (an older version wrote it): resuming unchecked", out, done, path.name)
     _atomic_write(path, json.dumps(settings, indent=2, sort_keys=True).encode() + b"\n")
+
+
+def _asked(messages) -> list[tuple[str, str]]:
+    """What a conversation asks: its turns but the assistant's (the ones regeneration replaces)."""
+    return [(m["role"], m["content"]) for m in messages if m["role"] != "assistant"]
+
+
+def _answers_ask_the_same(out: Path, inputs) -> bool:
+    for line in out.read_bytes().splitlines():
+        if not line.strip():
+            continue
+        answer = json.loads(line)
+        i = int(answer["source_index"])
+        if i >= len(inputs) or inputs[i][1] is None:
+            return False
+        try:
+            asked = record_messages(inputs[i][1], inputs[i][0])
+        except BadRecordError:
+            return False
+        if asked is None or _asked(asked) != _asked(answer.get("messages", [])):
+            return False
+    return True
 
 
 def read_inputs(path: Path) -> list[tuple[str, dict | None, str, str]]:
@@ -197,7 +221,7 @@ def regenerate_file(in_path: Path, out: Path, backend, chunk_size: int) -> Outco
     # about the input's size again for what is left (the answers replace answers of a similar length)
     share = len(todo) / max(len(inputs), 1)
     check_free(out.parent, int(Path(in_path).stat().st_size * share), "the regenerated data")
-    check_same_settings(out, {**backend.identity(), "input": input_identity(in_path)}, len(done))
+    check_same_settings(out, {**backend.identity(), "input": input_identity(in_path)}, len(done), inputs)
     with open(out, "ab") as sink, display().phase("regenerate", len(todo)) as phase:
         for start in range(0, len(todo), chunk_size):
             chunk = todo[start : start + chunk_size]
