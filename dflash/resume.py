@@ -64,6 +64,8 @@ def _upgrade(saved: DictConfig) -> DictConfig:
             value = saved[group].pop(key)
             if old in _MOVED_KEYS and value is not None:  # a newer config keeps a moved key as null
                 OmegaConf.update(saved, _MOVED_KEYS[old], value, force_add=True)
+    if "name" not in saved.get("optim", {}):  # saved before the optim group: it trained with AdamW, not today's
+        OmegaConf.update(saved, "optim.name", "adamw", force_add=True)  # default (muon)
     return saved
 
 

@@ -154,16 +154,22 @@ def test_the_old_train_keys_are_refused_naming_the_optim_group():
             validate(_compose([old]))
 
 
-def test_a_run_saved_before_the_optim_group_resumes_with_its_settings(tmp_path):
+@pytest.mark.parametrize("own_betas", [True, False])
+def test_a_run_saved_before_the_optim_group_resumes_with_its_settings(tmp_path, own_betas):
+    """It trained with AdamW: it resumes with AdamW whatever today's default optimizer is (muon)."""
     from dflash.resume import resume_config
 
     run_dir = tmp_path / "old"
     run_dir.mkdir()
     saved = OmegaConf.to_container(_compose([]), resolve=True)
     saved.pop("optim")
-    saved["train"]["betas"], saved["train"]["weight_decay"] = [0.8, 0.9], 0.05
+    if own_betas:
+        saved["train"]["betas"], saved["train"]["weight_decay"] = [0.8, 0.9], 0.05
     OmegaConf.save(OmegaConf.create(saved), run_dir / "config_resolved.yaml")
-    merged = resume_config(_compose([f"resume={run_dir}"]), run_dir, [f"resume={run_dir}"])
-    assert list(merged.optim.betas) == [0.8, 0.9] and merged.optim.weight_decay == 0.05
+    current = _compose([f"resume={run_dir}"])
+    assert current.optim.name == "muon"
+    merged = resume_config(current, run_dir, [f"resume={run_dir}"])
+    if own_betas:
+        assert list(merged.optim.betas) == [0.8, 0.9] and merged.optim.weight_decay == 0.05
     assert merged.optim.name == "adamw" and merged.train.betas is None and merged.train.weight_decay is None
     validate(merged)

@@ -41,8 +41,8 @@ def test_the_headline_overrides_on_the_default_loss_each_say_they_do_nothing():
         (["schedule=wsd", "schedule.decay_ratio=0.3"], []),
         (["pipeline=sync", "pipeline.queue_size=8", "pipeline.monitor_interval_s=1"], ["pipeline.queue_size"]),
         (["++loss.streak_alpha=0.5", "loss.name=kl_streak"], []),  # the option set by its key, not the group
-        (["optim.muon_momentum=0.9", "optim.weight_decay=0.1"], ["optim.muon_momentum"]),  # adamw reads no muon_*
-        (["optim=muon", "optim.muon_momentum=0.9"], []),
+        (["optim=adamw", "optim.muon_momentum=0.9", "optim.weight_decay=0.1"], ["optim.muon_momentum"]),  # no muon_*
+        (["optim.muon_momentum=0.9"], []),  # the default optimizer is muon
     ],
 )
 def test_each_option_reads_the_keys_the_table_says(overrides, unread):

@@ -37,7 +37,7 @@ def test_published_shapes_give_the_published_sizes():
 
 
 def test_the_plan_splits_the_peak_and_fsdp_shards_the_drafter():
-    cfg = compose_config(["model=qwen3_8b", "parallel=fsdp", "train.batch_size=8", "train.seq_len=3072"])
+    cfg = compose_config(["model=qwen3_8b", "parallel=fsdp", "train.batch_size=8", "train.seq_len=3072", "optim=adamw"])
     t = KNOWN_TARGETS["Qwen/Qwen3-8B"]
     one, fsdp = memory_parts(cfg, t, 1, device="cuda"), memory_parts(cfg, t, 8, device="cuda")
     assert one["target weights"] == fsdp["target weights"] == pytest.approx(16.4e9, rel=0.01)  # bf16, unsharded

@@ -38,7 +38,7 @@ EXPERIMENT = "smollm2_sharegpt"
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dflash.tools.make_real", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("outputs") / EXPERIMENT, help="data, store log and run")
-    p.add_argument("--records", type=int, default=400, help="ShareGPT conversations answered by the target")
+    p.add_argument("--records", type=int, default=1200, help="ShareGPT conversations answered by the target")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per regenerated answer")
     p.add_argument("--chunk-size", type=int, default=32, help="answers generated in one batch")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every phase (e.g. train.max_steps=100)")
