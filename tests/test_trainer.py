@@ -91,14 +91,22 @@ def test_steps_are_deterministic(parts):
 
 def test_resumed_optimizer_takes_the_resumed_configs_hyperparameters(parts):
     cfg, target, drafter, mask_id = parts
+    assert cfg.optim.name == "muon"  # the default: Muon's matrices and AdamW's norms, each part's own settings
     trainer = DrafterTrainer(cfg, target, drafter, mask_id, total_steps=100)
     trainer.train_on(TargetForward(target, torch.device("cpu"))(_batch()))
     state = trainer.state_dict()
-    cfg.optim.weight_decay, cfg.optim.betas = 0.3, [0.5, 0.6]  # what `resume=RUN optim.weight_decay=0.3 ...` gives
+    # what `resume=RUN optim.weight_decay=0.3 ...` gives
+    cfg.optim.weight_decay, cfg.optim.betas, cfg.optim.muon_weight_decay, cfg.optim.muon_momentum = (
+        0.3,
+        [0.5, 0.6],
+        0.2,
+        0.8,
+    )
     resumed = DrafterTrainer(cfg, target, drafter, mask_id, total_steps=100)
     resumed.load_state_dict(state)
-    group = resumed.optimizer.param_groups[0]
-    assert group["weight_decay"] == 0.3 and tuple(group["betas"]) == (0.5, 0.6)
+    adamw, muon = resumed.optimizer.parts["adamw"].param_groups[0], resumed.optimizer.parts["muon"].param_groups[0]
+    assert adamw["weight_decay"] == 0.3 and tuple(adamw["betas"]) == (0.5, 0.6)
+    assert muon["weight_decay"] == 0.2 and muon["momentum"] == 0.8
     assert resumed.step == 1 and resumed.optimizer.state  # the moments themselves are restored
 
 
