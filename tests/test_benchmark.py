@@ -186,7 +186,10 @@ def test_benchmark_packaged_suites_on_a_trained_drafter(tmp_path, cache_dir, tin
 
     run_dir = tmp_path / "run"
     # eval.suites: the benchmarks at the end of training, their tau in summary.json and as compare columns
+    # optim=adamw: the drafter whose ShareGPT drafts this test counts on (below); Muon's 300 steps here reach the same
+    # train/sim_tau (2.9) but happen to accept nothing on these 4 short prompts
     overrides = ["train.max_steps=300", "eval.num_prompts=0", "eval.suites=[humaneval]", "eval.suite_max_samples=2"]
+    overrides.append("optim=adamw")
     launch(["experiment=smoke", f"hydra.run.dir={run_dir}", *overrides], cache_dir, timeout=240, check=True)
     at_end = json.loads((run_dir / "benchmarks.json").read_text())["results"]["humaneval@T0"]
     assert at_end["settings"]["max_samples"] == 2 and at_end["metrics"]["lossless"] == 1.0
