@@ -59,24 +59,30 @@ def _options(args: list[str]) -> dict[str, int]:
     return opts
 
 
-def _drafter(opts: dict[str, int], family: str, head_type: str | None):
-    from omegaconf import OmegaConf
+def _target_config(opts: dict[str, int], layers: int):
+    """A Qwen3 of the bench's widths with `layers` layers (random weights)."""
     from transformers import Qwen3Config
 
-    from dflash.config import DrafterConfig, ModelConfig
-    from dflash.model.build import build_drafter_config, init_drafter
-    from dflash.model.families import configure_family
-
-    target = Qwen3Config(
+    return Qwen3Config(
         vocab_size=opts["vocab"],
         hidden_size=opts["hidden"],
         intermediate_size=opts["intermediate"],
-        num_hidden_layers=4,
+        num_hidden_layers=layers,
         num_attention_heads=opts["heads"],
         num_key_value_heads=opts["kv_heads"],
         head_dim=opts["head_dim"],
         max_position_embeddings=opts["ctx"] + 2 * opts["block"],
     )
+
+
+def _drafter(opts: dict[str, int], family: str, head_type: str | None):
+    from omegaconf import OmegaConf
+
+    from dflash.config import DrafterConfig, ModelConfig
+    from dflash.model.build import build_drafter_config, init_drafter
+    from dflash.model.families import configure_family
+
+    target = _target_config(opts, 4)
     model_cfg = OmegaConf.structured(
         ModelConfig(name="bench", target="random", block_size=opts["block"], num_draft_layers=opts["layers"])
     )
@@ -158,22 +164,12 @@ def proposal_latencies_ms(drafters: list, target, opts: dict[str, int], extra_ca
 
 
 def bench(args: list[str]) -> None:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     opts = _options(args)
     if opts["threads"]:
         torch.set_num_threads(opts["threads"])
-    target = Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=opts["vocab"],
-            hidden_size=opts["hidden"],
-            num_hidden_layers=1,
-            num_attention_heads=opts["heads"],
-            num_key_value_heads=opts["kv_heads"],
-            head_dim=opts["head_dim"],
-            intermediate_size=opts["intermediate"],
-        )
-    ).eval()  # only its embedding and LM head are used
+    target = Qwen3ForCausalLM(_target_config(opts, 1)).eval()  # only its embedding and LM head are used
     names, drafters = [], []
     for family, head in (
         ("dflash", None),
@@ -184,20 +180,7 @@ def bench(args: list[str]) -> None:
     ):
         names.append(family + (f"/{head}" if head else ""))
         drafters.append(_drafter(opts, family, head))
-    full = None
-    if opts["target_layers"]:
-        full = Qwen3ForCausalLM(
-            Qwen3Config(
-                vocab_size=opts["vocab"],
-                hidden_size=opts["hidden"],
-                num_hidden_layers=opts["target_layers"],
-                num_attention_heads=opts["heads"],
-                num_key_value_heads=opts["kv_heads"],
-                head_dim=opts["head_dim"],
-                intermediate_size=opts["intermediate"],
-                max_position_embeddings=opts["ctx"] + 2 * opts["block"],
-            )
-        ).eval()
+    full = Qwen3ForCausalLM(_target_config(opts, opts["target_layers"])).eval() if opts["target_layers"] else None
     with torch.no_grad():
         extra = _target_calls(full, opts) if full is not None else []
         latencies = proposal_latencies_ms(drafters, target, opts, extra)
