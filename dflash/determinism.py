@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -25,3 +27,19 @@ def apply(enabled: bool) -> None:
 def cpu_threads_per_stage(enabled: bool) -> int | None:
     """The thread count deterministic mode fixes on CPU (None: no opinion)."""
     return 1 if enabled else None
+
+
+@contextmanager
+def cpu_threads(enabled: bool, device: torch.device) -> Iterator[None]:
+    """Run a stage outside the pipeline (the feature store's build) with the thread count deterministic mode
+    gives the pipeline's stages, so its features are the bits the run's own target stage computes."""
+    threads = cpu_threads_per_stage(enabled) if device.type == "cpu" else None
+    if threads is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

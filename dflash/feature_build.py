@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from dflash import determinism
 from dflash.data.fingerprint import data_fingerprint
 from dflash.disk import check_free, mib
 from dflash.distributed import RankFailed, World, resolve_device
@@ -129,7 +130,9 @@ def _write_shards(cfg: DictConfig, world: World, files, writer: StoreWriter, bat
         fault = None
     last = {k: min((k + 1) * per_shard, batches) - 1 for k in mine}
     stream = itertools.islice(loaded.data.batches.iterate(0, 0), batches)
-    with torch.inference_mode(), display().phase("features", sum(last[k] + 1 - k * per_shard for k in mine)) as phase:
+    todo = sum(last[k] + 1 - k * per_shard for k in mine)
+    threads = determinism.cpu_threads(cfg.train.deterministic, device)  # the run's target stage's, under it
+    with threads, torch.inference_mode(), display().phase("features", todo) as phase:
         for i, batch in enumerate(stream):
             shard = i // per_shard
             if shard not in last:

@@ -3,7 +3,8 @@
 # where a CUDA torch and the project's dependencies are installed). CPU-only sessions cannot run these; their
 # results go in docs/results.md. Each check has its own timeout; a line per check goes to $OUT/summary.txt.
 # Checks 1-5 took 8.5 minutes on one H200: 30-40 s a job, of which ~17-19 s passed before its first log line
-# (Python's start and imports there) and 7-15 s training; CHECKS="6" (or any subset) runs only those checks.
+# (Python's start and imports there) and 7-15 s training. On one H100: checks 6, 7 and 8 took 3 minutes, checks 1
+# and 3 2.5 minutes. CHECKS="6" (or any subset) runs only those checks.
 #   1. the smoke job on CUDA, async and sync pipelines (train, checkpoints, eval tau, export)
 #   2. the FlexAttention training path (model.attention=flex: a BlockMask, compiled) with feature noise on CUDA
 #      (its generator must live on the GPU)
@@ -17,6 +18,8 @@
 #   6. issue 5: the pipeline bench on a ~1B-parameter Qwen3-shaped target, bf16: tokens/s, busy fractions, MFU
 #   7. issue 39: model.sliding_window on CUDA (FlexAttention) at SmolLM2-135M's drafter widths, 8k tokens: step
 #      time and peak memory of full attention against windows of 2048 and 512 (on a CPU the window costs memory)
+#   8. model.dtype=bfloat16 training on CUDA: the smoke job, and Qwen3-8B's widths (model=qwen3_8b_random: hidden
+#      4096, the 151,936-row vocabulary, random weights, one layer each) at 2,048 tokens
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -24,7 +27,7 @@ OUT=${OUT:-gpu_checks_out}
 mkdir -p "$OUT"
 export WANDB_MODE=disabled DFLASH_CACHE_DIR="$OUT/cache" PYTHONUNBUFFERED=1
 SUMMARY="$OUT/summary.txt"
-CHECKS=${CHECKS:-1 2 3 4 5 6 7}  # e.g. CHECKS="6" runs the 1B bench alone (a GPU lease is short)
+CHECKS=${CHECKS:-1 2 3 4 5 6 7 8}  # e.g. CHECKS="6" runs the 1B bench alone (a GPU lease is short)
 wants() { [[ " $CHECKS " == *" $1 "* ]]; }
 : > "$SUMMARY"
 
@@ -124,6 +127,15 @@ if wants 7; then
     kv_heads=3 head_dim=64 intermediate=1536 layers=2 features=3 block_size=8 teachers=argmax repeats=3 \
     seq_len=8192 anchors=512 windows=none,2048,512
   tail -6 "$OUT/bench_window.log"
+fi
+
+if wants 8; then
+  echo "== 8. model.dtype=bfloat16 training on CUDA: the smoke job, and Qwen3-8B's widths"
+  run bf16_smoke 240 "$PY" "${SMOKE[@]}" model.dtype=bfloat16 "hydra.run.dir=$OUT/bf16_smoke"
+  run bf16_qwen3_8b 300 "$PY" launch.py experiment=qwen3_8b_cpu model.device=cuda model.dtype=bfloat16 \
+    train.max_steps=30 train.seq_len=2048 train.num_anchors=256 data.max_files=200 checkpoint.every_steps=30 \
+    "hydra.run.dir=$OUT/bf16_qwen3_8b"
+  grep -h -o '"train/loss":[0-9.e+-]*' "$OUT/bf16_qwen3_8b/metrics.jsonl" 2>/dev/null | sed -n '1p;$p'
 fi
 
 echo "== summary"

@@ -77,6 +77,14 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def diff_report(a: dict, b: dict, *run_dirs: Path, top: int = 4) -> str:
+    """What an assertion on max_diff prints: the tensors that differ most, and the machine each run recorded
+    (a failure on another CPU kind says which parameter moved and on what)."""
+    diffs = sorted(((a[k] - b[k]).abs().max().item(), k) for k in a)[::-1][:top]
+    where = [json.loads((d / "run.json").read_text()).get("device", {}) for d in run_dirs if (d / "run.json").exists()]
+    return f"largest differences: {', '.join(f'{k} {v:.2e}' for v, k in diffs)}; devices: {where}"
+
+
 def train_records(run_dir: Path) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if "train/loss" in r]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, launch
-from test_distributed import max_diff, status, train_records, weights
+from test_distributed import diff_report, max_diff, status, train_records, weights
 
 from dflash.train.feature_store import store_bytes_per_token
 
@@ -42,15 +42,21 @@ def shard_hashes(store: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, cache_dir, tiny_target) -> Path:
     path = tmp_path_factory.mktemp("store") / "fp32"
-    build([*SETTINGS, "features.shard_batches=4", f"features.path={path}"], cache_dir)
+    # train.deterministic: the build's target runs on the one thread of a deterministic run's target stage
+    build([*SETTINGS, "train.deterministic=true", "features.shard_batches=4", f"features.path={path}"], cache_dir)
     return path
 
 
 def test_a_run_from_the_store_trains_like_the_online_run(store, tmp_path, cache_dir):
+    """Bitwise, where only the features' source differs. AdamW and train.deterministic (one thread per stage):
+    under Muon's bf16 update and the default threads a CI machine of another CPU kind ended 4.9e-4 apart, which
+    no machine here reproduced; the features, which this test is about, are the same either way."""
     online, stored = tmp_path / "online", tmp_path / "stored"
-    launch([*SETTINGS, f"hydra.run.dir={online}"], cache_dir, check=True)
-    launch([*SETTINGS, "features=store", f"features.path={store}", f"hydra.run.dir={stored}"], cache_dir, check=True)
-    assert max_diff(weights(online), weights(stored)) == 0.0
+    exact = [*SETTINGS, "optim=adamw", "train.deterministic=true"]
+    launch([*exact, f"hydra.run.dir={online}"], cache_dir, check=True)
+    launch([*exact, "features=store", f"features.path={store}", f"hydra.run.dir={stored}"], cache_dir, check=True)
+    a, b = weights(online), weights(stored)
+    assert max_diff(a, b) == 0.0, diff_report(a, b, online, stored)
     summaries = [json.loads((d / "summary.json").read_text()) for d in (online, stored)]
     assert summaries[0]["train/loss"] == summaries[1]["train/loss"] and summaries[0]["tokens"] == summaries[1]["tokens"]
     one, two = train_records(online)[-1], train_records(stored)[-1]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, launch
 from safetensors.torch import load_file
-from test_distributed import max_diff, torchrun, train_records, weights
+from test_distributed import diff_report, max_diff, torchrun, train_records, weights
 
 pytestmark = pytest.mark.slow
 
@@ -112,6 +112,7 @@ def test_a_ddp_run_reads_its_rows_of_the_store(one_process_store, tmp_path, cach
     (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
     read = [*SETTINGS, "features=store", f"features.path={one_process_store}", "pipeline.monitor_interval_s=1000"]
     read.append("optim=adamw")  # within 1e-5 of one process: AdamW's update (test_distributed.SMALL says why)
+    read.append("train.deterministic=true")  # one thread in each process, as torchrun's workers have
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     launch([*read, f"hydra.run.dir={single}"], cache_dir, check=True)
     path = os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])
@@ -124,7 +125,8 @@ def test_a_ddp_run_reads_its_rows_of_the_store(one_process_store, tmp_path, cach
     ranks = [load_file(str(tmp_path / f"rank{r}.safetensors")) for r in (0, 1)]
     assert max_diff(ranks[0], ranks[1]) == 0.0  # the same weights on both ranks
     assert max_diff(weights(ddp), {k.removeprefix("module."): v for k, v in ranks[0].items()}) == 0.0
-    assert max_diff(weights(single), weights(ddp)) < 1e-5
+    a, b = weights(single), weights(ddp)
+    assert max_diff(a, b) < 1e-5, diff_report(a, b, single, ddp)
     one, two = train_records(single)[-1], train_records(ddp)[-1]
     assert one["step"] == two["step"] == 16 and one["tokens"] == two["tokens"]
     assert two["train/loss"] == pytest.approx(one["train/loss"], rel=1e-5)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from dflash import determinism
 from dflash.config import ConfigError, register_configs
 from dflash.disk import free_bytes, mib
 from dflash.distributed import World, init_world, launched_distributed, shutdown
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             print("error: the store would not fit", file=sys.stderr)
             return 1
         return 0
+    determinism.apply(cfg.train.deterministic)  # the run's algorithms, so the store holds the run's features
     try:
         print(build_store(cfg, build_world(cfg)))
     finally:
