@@ -62,24 +62,27 @@ def _generator(device: torch.device, temperature: float, seed: int) -> torch.Gen
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def _run_all(
-    fn,
+def _run_interleaved(
+    methods: dict[str, dict],
     prompts: Sequence[Sequence[int]],
     device: torch.device,
     temperature: float,
     seed: int,
     phase=None,
-    label: str = "",
-    **kwargs,
-) -> list[GenerationResult]:
-    # the same per-prompt seed for every method: at T > 0 they sample from identically seeded generators
-    results = []
+) -> dict[str, list[GenerationResult]]:
+    """Each prompt through every method in turn (not each method through every prompt): a change in the machine's
+    load while the eval runs (another job starting or ending) then reaches every method's timing alike, so the
+    speedups compare like with like. The same per-prompt seed for every method: at T > 0 they sample from
+    identically seeded generators."""
+    results: dict[str, list[GenerationResult]] = {label: [] for label in methods}
     for i, p in enumerate(prompts):
         interrupts.check("eval")
-        generator = _generator(device, temperature, seed + i)
-        results.append(fn(prompt_ids=p, generator=generator, temperature=temperature, **kwargs))
-        if phase is not None:
-            phase.advance(info=f"{label} {_tok_s(results):.0f} tok/s")
+        for label, kw in methods.items():
+            call = {k: v for k, v in kw.items() if k != "fn"}
+            generator = _generator(device, temperature, seed + i)
+            results[label].append(kw["fn"](prompt_ids=p, generator=generator, temperature=temperature, **call))
+            if phase is not None:
+                phase.advance(info=f"{label} {_tok_s(results[label]):.0f} tok/s")
     return results
 
 
@@ -148,16 +151,10 @@ def evaluate(
                 else None,
                 "untrained": dict(spec, drafter=untrained_drafter) if untrained_drafter is not None else None,
             }
-            results = {
-                label: _run_all(
-                    kw.pop("fn"), prompts, device, temperature, seed, phase=phase, label=label, **kw, **common
-                )
-                if kw is not None
-                else None
-                for label, kw in methods.items()
-            }
+            wanted = {label: {**kw, **common} for label, kw in methods.items() if kw is not None}
+            results = _run_interleaved(wanted, prompts, device, temperature, seed, phase=phase)
             target_only, dflash = results["target only"], results["dflash"]
-            lookup, untrained = results["prompt lookup"], results["untrained"]
+            lookup, untrained = results.get("prompt lookup"), results.get("untrained")
             estimates = {}
             # after the timed runs: the same prompts, the target's own continuations of them; each block drafted
             # by the family's own proposal rule (sim_tau.drafted_lengths)
