@@ -11,8 +11,6 @@ from dflash import determinism
 
 
 def test_the_switch_turns_deterministic_algorithms_on_and_off():
-    from dflash import determinism
-
     try:
         determinism.apply(True)
         assert torch.are_deterministic_algorithms_enabled()

@@ -74,13 +74,13 @@ def _run_interleaved(
     load while the eval runs (another job starting or ending) then reaches every method's timing alike, so the
     speedups compare like with like. The same per-prompt seed for every method: at T > 0 they sample from
     identically seeded generators."""
+    calls = {label: (kw["fn"], {k: v for k, v in kw.items() if k != "fn"}) for label, kw in methods.items()}
     results: dict[str, list[GenerationResult]] = {label: [] for label in methods}
     for i, p in enumerate(prompts):
         interrupts.check("eval")
-        for label, kw in methods.items():
-            call = {k: v for k, v in kw.items() if k != "fn"}
+        for label, (fn, kwargs) in calls.items():
             generator = _generator(device, temperature, seed + i)
-            results[label].append(kw["fn"](prompt_ids=p, generator=generator, temperature=temperature, **call))
+            results[label].append(fn(prompt_ids=p, generator=generator, temperature=temperature, **kwargs))
             if phase is not None:
                 phase.advance(info=f"{label} {_tok_s(results[label]):.0f} tok/s")
     return results
