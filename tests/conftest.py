@@ -30,7 +30,7 @@ def cache_dir(tmp_path_factory) -> Path:
 def tiny_target(cache_dir) -> Path:
     from omegaconf import OmegaConf
 
-    from dflash.config import TinyBuildConfig
+    from dflash.core.config import TinyBuildConfig
     from dflash.model.tiny import ensure_target
 
     spec = OmegaConf.load(REPO / "conf/model/tiny_random.yaml")
@@ -74,11 +74,11 @@ def launch(
 
 
 def compose_config(overrides: list[str], return_hydra_config: bool = False):
-    """The job config launch.py would compose for OVERRIDES, for tests that call dflash.run in-process (with
+    """The job config launch.py would compose for OVERRIDES, for tests that call dflash.runner.run in-process (with
     its `hydra` node: for tests of Hydra callbacks)."""
     from hydra import compose, initialize_config_dir
 
-    from dflash.config import register_configs
+    from dflash.core.config import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -88,7 +88,7 @@ def compose_config(overrides: list[str], return_hydra_config: bool = False):
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     """A random 4-layer, 64-wide Qwen3 target and its 512-token tokenizer, built in-process (no pretraining)."""
-    from dflash.config import TinyBuildConfig
+    from dflash.core.config import TinyBuildConfig
     from dflash.model.tiny import build
 
     d = tmp_path_factory.mktemp("tiny") / "target"

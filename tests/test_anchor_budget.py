@@ -8,11 +8,11 @@ import torch
 from conftest import REPO
 from hydra import compose, initialize_config_dir
 
-from dflash.config import ConfigError, register_configs
+from dflash.core.config import ConfigError, register_configs
+from dflash.core.validation import validate
 from dflash.model.anchor_budget import anchor_counts
 from dflash.model.blocks import sample_anchors
 from dflash.model.plan import TargetShape, memory_parts, planned_anchors
-from dflash.validation import validate
 
 register_configs()
 B = 4

@@ -9,6 +9,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "dflash"
+# the `python -m dflash.<name>` doors: a few lines each that hand over to the package that does the work
 ENTRY_POINTS = {
     "dflash.compare",
     "dflash.evaluate",
@@ -20,43 +21,30 @@ ENTRY_POINTS = {
     "dflash.features",
     "dflash.plan",
 }
+PACKAGES = {"core", "data", "model", "train", "tracking", "evaluation", "runner", "tools"}
 
-# layer of each module prefix (lower number = lower floor); a module may import its own floor or below
+# floor of each module prefix (lower number = lower floor); a module may import its own floor or below
 LAYERS = {
-    # the base: no dflash import above it
-    "dflash.config": 0,
-    "dflash.validation": 0,
-    "dflash.jsonio": 0,
-    "dflash.hashing": 0,
-    "dflash.secrets": 0,
-    "dflash.rundir": 0,
-    "dflash.distributed": 0,
-    "dflash.terminal": 0,
-    "dflash.interrupts": 0,
-    "dflash.determinism": 0,
-    "dflash.machine": 0,
-    "dflash.disk": 0,
-    "dflash.repetition": 0,
-    "dflash.override_effects": 0,
-    "dflash.cli_flags": 0,
-    "dflash.model": 1,
-    "dflash.data": 2,
-    "dflash.model.tiny": 2,  # builds the embedded target from the stdlib corpus: on data's floor
-    "dflash.model.tiny_chat": 2,  # and the chat target's ShareGPT conversations
+    "dflash.core": 0,  # the ground floor: used by everything, imports nothing of ours above it
+    "dflash.data": 1,  # token documents, batches, and the target's continuations as data (generate.py)
+    "dflash.model": 2,  # what is trained and shipped; tiny.py and tiny_chat.py train on data's corpora
     "dflash.train": 3,
     "dflash.tracking": 4,
     "dflash.evaluation": 5,
-    "dflash.resume": 6,
-    "dflash.job_info": 6,
-    "dflash.sources": 7,
-    "dflash.feature_build": 7,
-    "dflash.disaggregated": 7,
-    "dflash.job": 8,
-    "dflash.finish": 8,
-    "dflash.run": 8,
-    "dflash.lifecycle": 9,
-    "dflash.preflight": 9,  # launch.py's checks before Hydra runs: composes, validates, looks at data and target
-    "dflash.tools": 10,  # the CLIs (compare, sweep, export, regenerate, bench): nothing imports them
+    # the runner: the job and the process around it, in the order a job calls them
+    "dflash.runner": 6,
+    "dflash.runner.resume": 6,
+    "dflash.runner.job_info": 6,
+    "dflash.runner.sources": 7,
+    "dflash.runner.feature_build": 7,
+    "dflash.runner.disaggregated": 7,
+    "dflash.runner.job": 8,
+    "dflash.runner.finish": 8,
+    "dflash.runner.run": 8,
+    "dflash.runner.lifecycle": 9,
+    "dflash.runner.preflight": 9,  # launch.py's checks before Hydra runs: composes, validates, looks at data and target
+    "dflash.runner.entry": 10,  # what launch.py calls: the argv before Hydra, the job's exits after it
+    "dflash.tools": 11,  # the CLIs (compare, sweep, export, regenerate, bench): nothing imports them
 }
 
 
@@ -75,7 +63,7 @@ def _imports(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dflash"):
             found.add(node.module)
-            found.update(f"{node.module}.{a.name}" for a in node.names)  # `from dflash import rundir`
+            found.update(f"{node.module}.{a.name}" for a in node.names)  # `from dflash.core import rundir`
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("dflash"))
     return found
@@ -165,6 +153,71 @@ def test_cited_source_paths_exist():
 
 
 def test_train_reads_as_a_short_sequence():
-    tree = ast.parse((PACKAGE / "run.py").read_text())
+    tree = ast.parse((PACKAGE / "runner" / "run.py").read_text())
     train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
     assert train.end_lineno - train.lineno + 1 <= 90
+
+
+def test_top_level_holds_only_packages_and_doors():
+    """dflash/ reads as a table of contents: the packages, and the doors that hand over in a few lines."""
+    files = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+    dirs = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    assert dirs == PACKAGES, f"top-level packages: {sorted(dirs)}; the documented ones: {sorted(PACKAGES)}"
+    assert {f"dflash.{f}" for f in files} == ENTRY_POINTS, f"a top-level module that is not a door: {sorted(files)}"
+    for name in files:
+        text = (PACKAGE / f"{name}.py").read_text()
+        assert len(text.splitlines()) <= 10 and "raise SystemExit(main())" in text, f"dflash/{name}.py does work"
+
+
+def test_launch_imports_only_the_runner():
+    ours = {m for m in _imports(REPO / "launch.py") if m != "dflash"}
+    assert ours and all(m.startswith("dflash.runner.") for m in ours), sorted(ours)
+
+
+def test_moved_modules_still_import_from_their_old_paths():
+    """A user's script, a saved Hydra config's `_target_` and a pickle name modules by their old paths."""
+    import importlib
+    import pickle
+
+    from hydra.utils import get_class
+
+    import dflash.core.rundir
+    import dflash.runner.lifecycle
+
+    assert importlib.import_module("dflash.rundir") is dflash.core.rundir
+    assert dflash.core.rundir.__spec__.name == "dflash.core.rundir"  # the module keeps its own identity
+    assert get_class("dflash.secrets.CommandLineSecrets").__module__ == "dflash.core.secrets"
+    old = pickle.dumps(dflash.runner.lifecycle.RunInterrupted("stopped"), protocol=0).replace(  # names by text
+        b"dflash.runner.lifecycle", b"dflash.lifecycle"
+    )
+    assert b"dflash.lifecycle" in old
+    back = pickle.loads(old)
+    assert type(back) is dflash.runner.lifecycle.RunInterrupted and str(back) == "stopped"
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("dflash.no_such_module")
+
+
+def floors_and_arrows() -> str:
+    """The import graph by floor: each floor's modules, and the count of imports from one package to another."""
+    modules = _modules()
+    lines, arrows = [], {}
+    for floor in sorted(set(LAYERS.values())):
+        names = sorted(p for p, f in LAYERS.items() if f == floor)
+        lines.append(f"floor {floor:2d}: {', '.join(n.removeprefix('dflash.') for n in names)}")
+    for name, path in modules.items():
+        if name in ENTRY_POINTS or name == "dflash":
+            continue
+        src = name.split(".")[1]
+        for imported in _imports(path):
+            if imported in modules and imported != "dflash" and imported.split(".")[1] != src:
+                key = (src, imported.split(".")[1])
+                arrows[key] = arrows.get(key, 0) + 1
+    lines.append("arrows (imports between packages):")
+    lines += [f"  {a} -> {b}: {n}" for (a, b), n in sorted(arrows.items())]
+    top = sorted(p.name for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file())
+    lines.append(f"top level of dflash/ ({len(top)}): {', '.join(top)}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python tests/test_architecture.py: the floors and arrows of docs/architecture.md
+    print(floors_and_arrows())

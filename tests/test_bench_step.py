@@ -17,10 +17,10 @@ def test_a_budget_caps_the_blocks_of_a_batch_of_mixed_lengths():
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {line.split()[2]: line.split() for line in out.stdout.splitlines() if line.startswith("none ")}
     # per row: 32 anchors wide; a 16-token row has 15 anchor positions (a + 1 supervised), so 32 + 3 x 15 train
-    assert rows["none"][3] == "77/128"
+    assert rows["none"][4] == "77/128"
     # K = 24: one each, the other 20 shared in proportion to (31, 14, 14, 14): 8 + 3 x 3, the 3 left over to the
     # largest remainders (rows 1-3), so (9, 5, 5, 5): the tensor is 9 wide
-    assert rows["24"][3] == "24/36"
+    assert rows["24"][4] == "24/36"
     assert "budget 24 / per-row anchors (window none, none): peak memory" in out.stdout
 
 
@@ -29,3 +29,12 @@ def test_bad_budgets_and_lengths_are_refused_by_name():
     assert out.returncode != 0 and "budgets= takes none or anchor budgets >= the batch's 3 rows" in out.stderr
     out = _bench("lengths=64,80")
     assert out.returncode != 0 and "lengths= takes 1..seq_len (64) tokens a row" in out.stderr
+
+
+def test_precisions_take_turns_and_print_their_ratio():
+    out = _bench("anchors=8", "precisions=fp32,bf16-mixed", "rounds=2", "repeats=1")
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("none ")]
+    assert [r[3] for r in rows] == ["fp32", "bf16-mixed"]
+    assert all(line.count(", ") == 1 for line in out.stdout.splitlines() if line.startswith("none "))  # 2 rounds
+    assert "bf16-mixed / fp32 (window none, none): peak memory" in out.stdout

@@ -146,13 +146,13 @@ def test_tau_is_zlabs_mean_of_means_and_pooled_is_tokens_per_cycle():
     table = markdown_table(
         {"results": {"gsm8k@T0": {"settings": {"suite": "gsm8k", "temperature": 0.0}, "metrics": m}}}
     )
-    assert "| gsm8k | 2.50 | 2.00× | 2 |" in table
+    assert "| gsm8k | 2.50 | 2.00× | +1.000 [-0.500, +2.500] | 2 |" in table  # tau - lookup, paired, 95%
 
 
 def test_bench_columns_and_wandb_rows_name_a_jsonl_suite_by_its_file():
     """A jsonl:PATH suite's metric names hold no path (its slashes would split W&B sections and compare's
     columns); the W&B table gets a row per suite and temperature, with the benchmark columns."""
-    from dflash.rundir import BENCH_COLUMNS, bench_metrics
+    from dflash.core.rundir import BENCH_COLUMNS, bench_metrics
     from dflash.tracking.wandb_media import BENCH_TABLE_COLUMNS, bench_rows
 
     results = {
@@ -179,8 +179,8 @@ def test_bench_columns_and_wandb_rows_name_a_jsonl_suite_by_its_file():
 def test_benchmark_packaged_suites_on_a_trained_drafter(tmp_path, cache_dir, tiny_target, monkeypatch, capsys):
     from transformers import AutoModelForCausalLM
 
-    from dflash import benchmark
     from dflash.evaluation import benchmark as runner
+    from dflash.tools import benchmark_cli as benchmark
     from dflash.tools.compare_cli import main as compare_main
     from dflash.train.checkpointer import load_drafter_from_source
 
@@ -343,3 +343,39 @@ def test_the_bench_line_names_which_prompt_lookup_figure_it_shows():
 
     metrics = {"tau": 4.7, "tau_pooled": 4.24, "speedup": 1.5, "tau_lookup": 3.5, "num_prompts": 20.0}
     assert "prompt lookup 3.500 (z-lab's mean, as tau)" in _summary(metrics)
+
+
+def test_a_run_names_the_suites_that_did_not_run_in_its_summary(tmp_path, monkeypatch):
+    """#48: a suite whose data was missing at the finish cost a warning only, and the run read as complete."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from dflash.core.rundir import RunDir
+    from dflash.evaluation import benchmark, evaluator
+    from dflash.runner import finish
+    from dflash.tracking import CallbackList
+    from dflash.train import parallelize
+
+    monkeypatch.setattr(parallelize, "frozen_copy", lambda drafter: drafter)
+    monkeypatch.setattr(evaluator, "on_device_of", lambda drafter, model: drafter)
+    eval_cfg = {"suites": ["humaneval", "mt-bench"], "temperature": 0.0, "suite_max_samples": 1, "max_new_tokens": 4,
+                "prompt_lookup_ngram": 3, "seed": 0}  # fmt: skip
+    cfg = OmegaConf.create({"eval": eval_cfg, "paths": {"cache_dir": None}, "model": {"target": "t"}})
+    ev = SimpleNamespace(target=SimpleNamespace(model=None), tokenizer=None, trace_cache=None)
+    job = SimpleNamespace(evaluator=ev, trainer=SimpleNamespace(step=3))
+
+    def finish_with(fake_run_benchmarks) -> dict:
+        monkeypatch.setattr(benchmark, "run_benchmarks", fake_run_benchmarks)
+        summary: dict = {}
+        assert finish._benchmarks(cfg, job, None, RunDir(tmp_path), summary, CallbackList())[0] == "completed"
+        return summary
+
+    one_missing = finish_with(lambda *a, **k: {"results": {}, "missing": {"mt-bench": "not found"}})
+    assert one_missing["suites_not_run"] == "mt-bench"
+    assert "suites_not_run" not in finish_with(lambda *a, **k: {"results": {}, "missing": {}})
+
+    def none_found(*a, **k):
+        raise FileNotFoundError("no suite could be loaded")
+
+    assert finish_with(none_found)["suites_not_run"] == "humaneval,mt-bench"

@@ -29,7 +29,7 @@ def chat_file(tmp_path_factory):
 
 
 def _training_data(chat_file, tokenizer, target, cache, seq_len=256, batch_size=4, **data):
-    from dflash.config import DataConfig
+    from dflash.core.config import DataConfig
     from dflash.data import chat_dataset
     from dflash.data.training_data import build_training_data
 

@@ -17,8 +17,8 @@ import torch
 from omegaconf import OmegaConf
 from wandb_offline import read_offline_run
 
-from dflash.config import Config, WandbConfig
-from dflash.jsonio import json_safe
+from dflash.core.config import Config, WandbConfig
+from dflash.core.jsonio import json_safe
 from dflash.tracking import build_callbacks
 from dflash.tracking.base import Callback, CallbackList, RunInfo, default_job_name
 from dflash.tracking.console import ConsoleCallback

@@ -17,8 +17,8 @@ import yaml
 from hydra.core.utils import JobStatus
 from omegaconf import OmegaConf
 
-from dflash import rundir
-from dflash.rundir import find_runs, load_run
+from dflash.core import rundir
+from dflash.core.rundir import find_runs, load_run
 from dflash.tools.compare import compare_table, diff_table
 from dflash.tools.compare_cli import main, render
 from dflash.tools.seed_groups import group_runs, group_table

@@ -11,9 +11,9 @@ from conftest import REPO, compose_config, launch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from dflash.config import ConfigError, register_configs
+from dflash.core.config import ConfigError, register_configs
+from dflash.core.validation import validate
 from dflash.model.build import resolve_target_layer_ids
-from dflash.validation import validate
 
 CONF = REPO / "conf"
 register_configs()
@@ -34,7 +34,7 @@ def _group_options():
 def test_every_config_file_composes_and_validates(group, option):
     # debug is not in the defaults list: its options are appended (`+debug=faults`), as users do
     overrides = [f"+{group}={option}" if group == "debug" else f"{group}={option}"]
-    if (group == "data" and option == "jsonl") or option == "paper_qwen3_8b":
+    if (group == "data" and option in ("jsonl", "tokens")) or option == "paper_qwen3_8b":
         overrides.append("data.path=/some/data.jsonl")
     cfg = _compose(overrides)
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
@@ -112,7 +112,8 @@ def _status(run_dir: Path) -> dict:
     [
         (["model.blok_size=3"], "blok_size", False),  # unknown key: Hydra refuses at composition
         (["model.block_size=abc"], "model.block_size", False),  # wrong type
-        # out of range, a missing target or data: refused before Hydra makes the run directory (dflash/preflight.py)
+        # out of range, a missing target or data: refused before Hydra makes the run directory
+        # (dflash/runner/preflight.py)
         (["model.block_size=1"], "model.block_size", False),
         (["model=tiny", "model.build.kind=none", "model.target=/nonexistent/model"], "/nonexistent/model", False),
         (["data=jsonl", "data.path=/nonexistent/data.jsonl"], "/nonexistent/data.jsonl", False),
@@ -154,8 +155,8 @@ def test_unreadable_data_file(tmp_path, cache_dir, tiny_target):
 def test_cuda_device_without_cuda_is_a_config_error(monkeypatch):
     import torch
 
-    from dflash.config import ConfigError
-    from dflash.distributed import resolve_device
+    from dflash.core.config import ConfigError
+    from dflash.core.distributed import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="model.device='cuda:1' is invalid: torch sees no CUDA device"):
@@ -165,7 +166,7 @@ def test_cuda_device_without_cuda_is_a_config_error(monkeypatch):
 
 def test_resume_upgrades_a_config_saved_by_an_older_version(tmp_path):
     """Fault-injection keys moved from train.* to debug.*, pipeline.drafter_workers is gone: an old run resumes."""
-    from dflash.resume import resume_config
+    from dflash.runner.resume import resume_config
 
     run_dir = tmp_path / "old"
     run_dir.mkdir()
@@ -191,7 +192,7 @@ def test_dataclass_defaults_are_what_the_default_run_composes(monkeypatch):
     build nothing) and which data (data.name)."""
     from omegaconf import OmegaConf
 
-    from dflash.config import Config
+    from dflash.core.config import Config
 
     for var in ("WANDB_MODE", "WANDB_PROJECT", "DFLASH_CACHE_DIR"):  # env-interpolated defaults, resolved
         monkeypatch.delenv(var, raising=False)

@@ -111,7 +111,7 @@ def test_sharegpt_records_render_like_messages(tiny_tokenizer):
 
 
 def _data_cfg(path, **kw):
-    from dflash.config import DataConfig
+    from dflash.core.config import DataConfig
 
     return OmegaConf.merge(OmegaConf.structured(DataConfig(name="jsonl", path=str(path))), kw)
 

@@ -7,7 +7,7 @@ import itertools
 import torch
 
 from dflash.data.training_data import run_training_data
-from dflash.resume import _frozen_reason
+from dflash.runner.resume import _frozen_reason
 from dflash.train.feature_store import manifest_for, store_path
 from tests.conftest import compose_config
 

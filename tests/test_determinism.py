@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import compose_config, launch
-from test_distributed import max_diff, train_records, weights
+from test_distributed import max_diff, weights
 
-from dflash import determinism
+from dflash.core import determinism
 
 
 def test_the_switch_turns_deterministic_algorithms_on_and_off():
@@ -43,8 +45,8 @@ def test_the_feature_store_build_runs_the_target_on_the_deterministic_runs_threa
 ):
     """A store read by a train.deterministic run holds the features of that run's one-thread target stage: on a
     CPU whose GEMMs add in another order on more threads, features of two threads would not be its bits."""
-    from dflash.feature_build import build_store
     from dflash.model.target import TargetModel
+    from dflash.runner.feature_build import build_store
 
     seen = []
     features = TargetModel.features
@@ -72,4 +74,6 @@ def test_deterministic_runs_repeat_bit_for_bit(tmp_path, cache_dir, tiny_target)
     launch([*args, f"hydra.run.dir={a}"], cache_dir, check=True)
     launch([*args, f"hydra.run.dir={b}"], cache_dir, check=True)
     assert max_diff(weights(a), weights(b)) == 0.0
-    assert train_records(a)[-1]["train/loss"] == train_records(b)[-1]["train/loss"]
+    # summary.json's train metrics are the mean over the last steps: the monitor's last window depends on timing
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
+    assert sa["train/loss"] == sb["train/loss"] and sa["train/grad_norm"] == sb["train/grad_norm"]

@@ -19,8 +19,8 @@ from conftest import launch
 from test_drafter import make_drafter
 from test_resume import COMMON, _Trainer, final_weights
 
-from dflash.disk import MARGIN_BYTES, DiskFull, check_free, dir_bytes, disk_error
-from dflash.rundir import StatusFile, load_run
+from dflash.core.disk import MARGIN_BYTES, DiskFull, check_free, dir_bytes, disk_error
+from dflash.core.rundir import StatusFile, load_run
 from dflash.train.checkpoint import latest_checkpoint, save_checkpoint
 from dflash.train.checkpointer import CheckpointManager
 
@@ -126,7 +126,7 @@ def test_periodic_checkpoints_are_skipped_or_stop_and_the_final_one_stops(tmp_pa
     """checkpoint.on_disk_full=skip: a periodic save without room is skipped and counted; the final save (and
     any save under `stop`) raises DiskFull naming the path, the bytes needed and free; leftovers of an earlier
     process are removed when the manager starts."""
-    from dflash import disk
+    from dflash.core import disk
 
     drafter = make_drafter()
     save_checkpoint(tmp_path, drafter, _Trainer(3).state_dict(), {}, keep_last=2)
@@ -219,7 +219,7 @@ def test_regeneration_and_the_datasets_cache_check_the_disk_first(tmp_path, monk
     """Both large writes of the data side stop before they start when the disk lacks the room, naming it."""
     from test_data import _data_cfg, _load
 
-    from dflash import disk
+    from dflash.core import disk
     from dflash.tools.regenerate import regenerate_file
 
     chats = tmp_path / "chats.jsonl"
@@ -238,7 +238,7 @@ def test_regeneration_and_the_datasets_cache_check_the_disk_first(tmp_path, monk
 def test_a_long_error_keeps_its_head_and_tail_on_a_full_disk(tmp_path, monkeypatch):
     """The end written in place, with an error longer than the reserve: status.json keeps what failed (the head)
     and how it ended (the tail), the cut marked, in the reserve's own bytes (it was '...' alone)."""
-    from dflash import rundir
+    from dflash.core import rundir
 
     status = StatusFile(tmp_path)
     status.running()
@@ -268,7 +268,7 @@ def test_a_full_disk_is_one_line_naming_errno_28_once(tmp_path, monkeypatch, cap
     import logging
     from types import SimpleNamespace
 
-    from dflash import disk
+    from dflash.core import disk
     from dflash.train.pipeline import Pipeline, StageError
 
     monkeypatch.setattr(disk, "free_bytes", lambda path: MARGIN_BYTES)  # room for nothing

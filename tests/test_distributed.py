@@ -17,9 +17,9 @@ import torch.distributed as dist
 from conftest import REPO, launch
 from safetensors.torch import load_file
 
-from dflash.config import register_configs
+from dflash.core.config import register_configs
+from dflash.core.distributed import World, init_world, launch_settings
 from dflash.data.batches import Batch, rank_batches, rank_slice
-from dflash.distributed import World, init_world, launch_settings
 
 # AdamW, not the default Muon: these tests hold ranks, resumes and layouts to one process's weights within 1e-5 (or
 # bitwise), and torch.optim.Muon orthogonalises its update in bfloat16, which turns the all-reduce's 1e-7 round-off
@@ -88,6 +88,12 @@ def diff_report(a: dict, b: dict, *run_dirs: Path, top: int = 4) -> str:
 def train_records(run_dir: Path) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if "train/loss" in r]
+
+
+def summary(run_dir: Path) -> dict:
+    """summary.json: its train metrics are the mean over the last steps, the same whenever the monitor sampled (the
+    last metrics.jsonl record's window depends on timing)."""
+    return json.loads((run_dir / "summary.json").read_text())
 
 
 def status(run_dir: Path) -> dict:
@@ -203,7 +209,7 @@ def test_two_ranks_train_like_one_rank(parallel, one_rank_reference, tmp_path, c
         check=True,
     )
     assert max_diff(weights(one_rank_reference), weights(run_dir)) < 1e-5
-    one, two = train_records(one_rank_reference)[-1], train_records(run_dir)[-1]
+    one, two = summary(one_rank_reference), summary(run_dir)  # the last steps' mean, not the monitor's last window
     assert one["step"] == two["step"] == 20 and one["tokens"] == two["tokens"]
     assert two["train/loss"] == pytest.approx(one["train/loss"], rel=1e-6)
     assert two["train/avg_streak"] == pytest.approx(one["train/avg_streak"], rel=1e-6)
@@ -272,6 +278,23 @@ def test_an_exception_on_one_rank_ends_every_rank(tmp_path, cache_dir, tiny_targ
     st = status(run_dir)
     assert st["status"] == "failed" and st["error"].startswith("rank 1: "), st["error"]
     assert "injected drafter-stage fault" in st["error"]
+
+
+@pytest.mark.slow
+def test_a_time_budget_ends_every_rank_at_one_step_completed(tmp_path, cache_dir, tiny_target):
+    """train.max_minutes under torchrun, rank 1 the slow one (0.2 s a step): every rank stops after the same step,
+    the run is `completed` with stop_reason max_minutes, and its saved seconds are the ranks' agreed clock."""
+    run_dir = tmp_path / "run"
+    args = [*SMALL, "parallel=ddp", "train.max_steps=100000", "train.max_minutes=0.1", "checkpoint.every_steps=0"]
+    faults = ["+debug=faults", "debug.slow_step_s=0.2", "debug.fail_rank=1"]
+    torchrun([*args, *faults, f"hydra.run.dir={run_dir}"], cache_dir, timeout=240, check=True)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert status(run_dir)["status"] == "completed" and summary["stop_reason"] == "max_minutes"
+    assert 1 < summary["step"] < 100000 and train_records(run_dir)[-1]["step"] == summary["step"]
+    # the final checkpoint saves the ranks' agreed clock: at least the budget's 6 s, at most a few slow steps more
+    meta = json.loads((run_dir / "checkpoints" / f"step_{summary['step']}" / "meta.json").read_text())
+    assert 6.0 <= meta["trainer"]["trained_s"] < 12.0
+    assert "Traceback" not in (run_dir / "launch.rank1.log").read_text()  # rank 1 stopped as cleanly as rank 0
 
 
 @pytest.mark.slow

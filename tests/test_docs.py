@@ -13,7 +13,7 @@ from conftest import REPO, launch
 README_MAX_LINES = 260
 ARCHITECTURE = REPO / "docs" / "architecture.md"
 # a backticked metric name: `group/name` (with <k> or <a|b> placeholders) or a top-level field of a record
-METRIC = re.compile(r"`((?:[a-z]+/[A-Za-z0-9_<>|]+)|step|tokens|time_s|wall_time_s|status)`")
+METRIC = re.compile(r"`((?:[a-z]+/[A-Za-z0-9_<>|]+)|step|tokens|time_s|wall_time_s|status|stop_reason)`")
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -182,7 +182,7 @@ def _jobs(args: list[str]) -> list[list[str]]:
     each sweep composed at least once (job i takes value i of every sweep, the last repeated)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from dflash.cli_flags import translate_wandb_flags
+    from dflash.core.cli_flags import translate_wandb_flags
 
     args = translate_wandb_flags(["launch.py", *args])[1:]
     kept, skip = [], False
@@ -222,8 +222,8 @@ def test_every_documented_launch_command_composes():
     validate() (no run): a doc's command that Hydra or the value checks refuse fails here, naming the doc."""
     from hydra import compose, initialize_config_dir
 
-    from dflash.config import CONF_DIR, register_configs
-    from dflash.validation import validate
+    from dflash.core.config import CONF_DIR, register_configs
+    from dflash.core.validation import validate
 
     register_configs()
     failures = []

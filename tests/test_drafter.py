@@ -316,7 +316,7 @@ def _target_config(**kw):
 
 
 def test_draft_heads_must_be_a_multiple_of_kv_heads():
-    from dflash.config import ConfigError
+    from dflash.core.config import ConfigError
     from dflash.model.build import build_drafter_config
 
     build_drafter_config(_target_config(), _model_cfg(draft_num_attention_heads=6), [1, 2], 1)  # 6 = 3 x 2: fine

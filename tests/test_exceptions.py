@@ -15,6 +15,7 @@ import dflash
 # classes whose constructor takes more than a message: how to make one
 EXAMPLES = {
     "StageError": lambda cls: cls("drafter", ValueError("injected"), "Traceback ...\nValueError: injected\n"),
+    "PhaseFailed": lambda cls: cls(["python", "-m", "dflash.features", "build"], 3),
 }
 
 

@@ -10,7 +10,8 @@ import torch
 from conftest import compose_config, launch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dflash.config import ConfigError
+from dflash.core.config import ConfigError
+from dflash.core.validation import validate
 from dflash.data.batches import Batch
 from dflash.evaluation.calibration import confidence_calibration
 from dflash.evaluation.decoding import DFlashProposer, speculative_generate
@@ -21,7 +22,6 @@ from dflash.model.families.dspark import DSparkDraftModel
 from dflash.model.families.dspark_loss import dspark_loss
 from dflash.model.target import TargetModel
 from dflash.train.trainer import DrafterTrainer, TargetForward
-from dflash.validation import validate
 
 MASK = 3
 
@@ -341,7 +341,7 @@ def test_a_sweep_over_families_is_one_multirun(tmp_path, cache_dir):
 def test_a_resume_keeps_the_drafter_family(tmp_path):
     from omegaconf import OmegaConf
 
-    from dflash.resume import resume_config
+    from dflash.runner.resume import resume_config
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -385,3 +385,28 @@ def test_dflash2_export_loads_with_speculators_own_classes(tiny_dir, tmp_path):
     back = load_drafter(tmp_path / "out")
     assert type(back) is type(drafter) and back.config.dflash2_config == drafter.config.dflash2_config
     assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), drafter.state_dict().values()))
+
+
+def test_a_block_size_the_family_cannot_run_is_refused_naming_both_sizes(tiny_dir, tmp_path, capsys):
+    """DFlash2's convolutions span its training block: evaluate and benchmark refuse another size (a block of 8 at
+    size 4 ran as two blocks of 4), naming both, before the target loads; DFlash and DSpark run at any size."""
+    from dflash.evaluation.cli import main as evaluate_main
+    from dflash.evaluation.evaluator import evaluate
+    from dflash.model.export import export_drafter
+    from dflash.tools.benchmark_cli import main as benchmark_main
+
+    _, drafter = _drafter(tiny_dir, "drafter=dflash2", "drafter.selector_rank=8", "drafter.selector_top_k=4")
+    export_drafter(drafter, tmp_path / "dflash2", target=str(tiny_dir))
+    args = ["--block-size", "8", "--device", "cpu"]
+    assert evaluate_main([str(tmp_path / "dflash2"), *args, "--out", str(tmp_path / "e.json")]) == 2
+    assert benchmark_main([str(tmp_path / "dflash2"), *args, "--out", str(tmp_path / "bench")]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 2 and all("block size 8" in e and "trained at block size 4" in e for e in errors)
+    assert not (tmp_path / "e.json").exists() and not (tmp_path / "bench").exists()
+    target = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    with pytest.raises(ValueError, match="block size 2 cannot run this drafter=dflash2 drafter: it was trained at"):
+        evaluate(target, drafter, [[5, 6, 7]], max_new_tokens=4, block_size=2, baselines=False)
+    for family in ("dflash", "dspark"):
+        _, other = _drafter(tiny_dir, f"drafter={family}")
+        out = evaluate(target, other, [[5, 6, 7]], max_new_tokens=8, block_size=6, baselines=False)
+        assert out["eval/cycles"] > 0 and max(out["details"]["prompts"][0]["accept_lengths"]) <= 6

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, launch
-from test_distributed import diff_report, max_diff, status, train_records, weights
+from test_distributed import diff_report, max_diff, status, summary, train_records, weights
 
 from dflash.train.feature_store import store_bytes_per_token
 
@@ -63,6 +63,17 @@ def test_a_run_from_the_store_trains_like_the_online_run(store, tmp_path, cache_
     assert two["perf/target_mb"] < 0.5 * one["perf/target_mb"]  # the embedding and LM head, not the whole target
 
 
+def test_the_store_reads_in_the_oldest_supported_transformers_environment(store, tmp_path):
+    """Another program's reader, on transformers 4.57.1 and its safetensors (tests/old_transformers.py): strict JSON
+    manifest and index, every shard the bytes the index hashed, the tensors the store writes."""
+    from old_transformers import read_with_old_transformers
+
+    (read,) = read_with_old_transformers([{"kind": "store", "path": str(store)}], tmp_path)
+    assert read["manifest"] == json.loads((store / "manifest.json").read_text())
+    assert read["shards"] == len(json.loads((store / "index.json").read_text())["shards"]) > 0
+    assert {"input_ids", "loss_mask", "target_hidden", "last_hidden"} <= set(read["tensors"]), read["tensors"]
+
+
 def test_a_store_of_other_settings_is_refused_naming_the_key(store, tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     args = [*SETTINGS, "features=store", f"features.path={store}", "model.target_layer_ids=[1,3]"]
@@ -70,6 +81,18 @@ def test_a_store_of_other_settings_is_refused_naming_the_key(store, tmp_path, ca
     assert proc.returncode != 0
     assert "model.target_layer_ids: store [1, 2] vs run [1, 3]" in status(run_dir)["error"], status(run_dir)
     assert not (run_dir / "metrics.jsonl").exists() or not train_records(run_dir)  # refused before training
+
+
+def test_a_complete_store_of_other_settings_is_not_built_over_as_complete(store, cache_dir):
+    """An explicit features.path that holds a complete store of other settings: the build refuses it naming the
+    key (it used to say "complete" and leave the run to fail at its start)."""
+    env = {**os.environ, "DFLASH_CACHE_DIR": str(cache_dir), "WANDB_MODE": "disabled"}
+    args = [*SETTINGS, "features.shard_batches=4", f"features.path={store}", "model.target_layer_ids=[1,3]"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash.features", "build", *args], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode != 0 and "is complete" not in proc.stdout + proc.stderr
+    assert "model.target_layer_ids: store [1, 2] vs run [1, 3]" in proc.stdout + proc.stderr
 
 
 def test_a_changed_byte_in_a_shard_is_found_on_read(store, tmp_path, cache_dir):
@@ -105,7 +128,7 @@ def test_an_fp8_store_is_a_quarter_of_float32_and_trains(store, tmp_path, cache_
     for name, path, dtype in (("fp32", store, "float32"), ("fp8run", fp8, "fp8")):
         where = [f"features.path={path}", f"features.dtype={dtype}", f"hydra.run.dir={runs[name]}"]
         launch([*SETTINGS, "features=store", *where], cache_dir, check=True)
-    losses = [train_records(runs[n])[-1]["train/loss"] for n in runs]
+    losses = [summary(runs[n])["train/loss"] for n in runs]
     assert math.isfinite(losses[1]) and abs(losses[1] - losses[0]) < 0.05 * losses[0], losses
     assert 0 < max_diff(weights(runs["fp32"]), weights(runs["fp8run"])) < 0.05  # other features, close weights
 

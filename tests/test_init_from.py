@@ -15,8 +15,8 @@ from conftest import launch
 from safetensors.torch import load_file
 from test_drafter import make_drafter
 
-from dflash.config import ConfigError
-from dflash.hashing import weights_sha256
+from dflash.core.config import ConfigError
+from dflash.core.hashing import weights_sha256
 from dflash.model.export import export_drafter
 from dflash.train.checkpoint import DCP_FORMAT, commit, save_checkpoint
 from dflash.train.init_from import find_init_source, load_init_weights

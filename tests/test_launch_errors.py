@@ -1,5 +1,5 @@
 """Configuration and environment errors end in one `error:` line that names the fix, without a traceback (that
-with HYDRA_FULL_ERROR=1), and where they can be, before Hydra makes a run directory (dflash/preflight.py)."""
+with HYDRA_FULL_ERROR=1), and where they can be, before Hydra makes a run directory (dflash/runner/preflight.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, compose_config, launch
 from omegaconf import OmegaConf
 
-from dflash import preflight
+from dflash.runner import preflight
 
 
 def _closed_port_endpoint() -> str:

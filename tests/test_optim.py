@@ -9,7 +9,8 @@ from conftest import REPO
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from dflash.config import ConfigError, register_configs
+from dflash.core.config import ConfigError, register_configs
+from dflash.core.validation import validate
 from dflash.data.batches import Batch
 from dflash.model.build import build_drafter_config
 from dflash.model.drafter import DFlashDraftModel
@@ -17,7 +18,6 @@ from dflash.model.target import TargetModel
 from dflash.train.checkpoint import load_checkpoint, save_checkpoint
 from dflash.train.optimizers import split_for_muon
 from dflash.train.trainer import DrafterTrainer, TargetForward
-from dflash.validation import validate
 
 register_configs()
 
@@ -54,7 +54,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_norms(parts, tiny_target):
     target, mask_id = parts
     cfg = _cfg(tiny_target, "muon")
     drafter = _drafter(cfg, target, mask_id)
-    muon, adamw = split_for_muon(drafter.named_parameters())
+    muon, adamw = split_for_muon(drafter)
     names = {id(p): n for n, p in drafter.named_parameters()}
     assert {names[id(p)] for p in muon} >= {
         "fc.weight",
@@ -63,7 +63,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_norms(parts, tiny_target):
     }
     assert all(p.ndim == 2 for p in muon) and all(p.ndim == 1 for p in adamw)
     assert {names[id(p)] for p in adamw} >= {"norm.weight", "hidden_norm.weight", "layers.0.input_layernorm.weight"}
-    muon, adamw = split_for_muon(drafter.named_parameters(), ("fc",))
+    muon, adamw = split_for_muon(drafter, ("fc",))
     assert "fc.weight" in {names[id(p)] for p in adamw} and "fc.weight" not in {names[id(p)] for p in muon}
 
     trainer = DrafterTrainer(cfg, target, drafter, mask_id, total_steps=100)
@@ -72,6 +72,73 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_norms(parts, tiny_target):
     trainer.train_on(_item(target, 0))
     fc_state = trainer.optimizer.parts["muon"].state[drafter.fc.weight]
     assert set(fc_state) == {"momentum_buffer"}  # Muon's one buffer, not AdamW's two moments
+
+
+def _family_drafter(tiny_dir, *overrides: str):
+    from dflash.model.build import init_drafter
+    from dflash.model.families import configure_family
+    from dflash.model.target import load_target_config
+
+    cfg = _compose(["experiment=smoke", f"model.target={tiny_dir}", "optim=muon", *overrides])
+    config = build_drafter_config(load_target_config(str(tiny_dir)), cfg.model, [1, 2], 3)
+    configure_family(config, cfg.drafter)
+    return cfg, init_drafter(config, 0)
+
+
+FAMILY_TABLES = {
+    "dspark": ({"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight"}, set()),
+    "dspark_gated": (
+        {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"},
+        {"markov_head.gate_proj.weight"},
+    ),
+    "dspark_rnn": ({"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"}, {"markov_head.joint_proj.weight"}),
+    "dflash2": (
+        {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"},
+        {"candidate_selector.hidden_projection.weight", "layers.0.attention_conv.kernel_projection.weight"},
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_TABLES))
+def test_muon_leaves_every_familys_vocabulary_tables_to_adamw(tiny_dir, family):
+    """Muon takes hidden matrices by their role, not every 2-D parameter: DSpark's Markov head (an embedding over the
+    vocabulary and a projection onto it), its confidence head's output layer and DFlash2's token codebooks are
+    AdamW's; the families' hidden projections stay Muon's. No Muon parameter spans the vocabulary."""
+    name, _, head = family.partition("_")
+    cfg, drafter = _family_drafter(tiny_dir, f"drafter={name}", *([f"drafter.markov_head_type={head}"] if head else []))
+    tables, hidden = FAMILY_TABLES[family]
+    muon, adamw = split_for_muon(drafter)
+    names = {id(p): n for n, p in drafter.named_parameters()}
+    assert tables <= {names[id(p)] for p in adamw} and hidden <= {names[id(p)] for p in muon}
+    vocab = drafter.config.vocab_size
+    assert not [names[id(p)] for p in muon if vocab in p.shape]
+
+
+def test_muon_leaves_the_markov_rows_of_unseen_tokens_as_they_were(tiny_dir):
+    """A step under optim=muon moves the Markov embedding's rows of the tokens the batch conditioned on and no
+    other (AdamW at weight decay 0; Muon's orthogonalised, decayed update moved every row)."""
+    cfg, drafter = _family_drafter(tiny_dir, "drafter=dspark", "schedule.lr=0.01", "schedule.warmup_ratio=0")
+    target = TargetModel.load(str(tiny_dir), [1, 2])
+    trainer = DrafterTrainer(cfg, target, drafter, 3, total_steps=10)
+    w1 = drafter.markov_head.markov_w1.weight
+    before = w1.detach().clone()
+    ids = torch.randint(5, 300, (2, 48), generator=torch.Generator().manual_seed(0))
+    trainer.train_on(
+        TargetForward(target, torch.device("cpu"))(Batch(ids, torch.ones(2, 48, dtype=torch.bool), 96, 0, 0))
+    )
+    moved = (w1.detach() != before).any(-1)
+    assert moved[:300].any() and not moved[300:].any()
+
+
+def test_a_checkpoint_of_another_muon_split_is_refused_naming_init_from(tiny_dir):
+    """A DSpark run saved when Muon took its Markov tables holds a Muon state of more matrices than this run's:
+    one error naming model.init_from, not torch's group-size error (optim.muon_exclude stands in for the old split)."""
+    from dflash.train.optimizers import DrafterOptimizer
+
+    cfg, drafter = _family_drafter(tiny_dir, "drafter=dspark")
+    saved = DrafterOptimizer(drafter, OmegaConf.merge(cfg.optim, {"muon_exclude": ["fc"]}), lr=1e-3).state_dict()
+    with pytest.raises(ConfigError, match="optimizer holds 11 parameters, this run.s 10: .* model.init_from=RUN_DIR"):
+        DrafterOptimizer(drafter, cfg.optim, lr=1e-3).load_state_dict(saved)
 
 
 def test_muon_trains_other_weights_than_adamw(parts, tiny_target):
@@ -157,7 +224,7 @@ def test_the_old_train_keys_are_refused_naming_the_optim_group():
 @pytest.mark.parametrize("own_betas", [True, False])
 def test_a_run_saved_before_the_optim_group_resumes_with_its_settings(tmp_path, own_betas):
     """It trained with AdamW: it resumes with AdamW whatever today's default optimizer is (muon)."""
-    from dflash.resume import resume_config
+    from dflash.runner.resume import resume_config
 
     run_dir = tmp_path / "old"
     run_dir.mkdir()

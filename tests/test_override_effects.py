@@ -9,10 +9,11 @@ import sys
 import pytest
 from conftest import REPO, compose_config, launch
 from hydra import initialize_config_dir
-from omegaconf import open_dict
+from omegaconf import MISSING, OmegaConf, open_dict
 
-from dflash.config import OPTION_KEYS, READ_ONLY_BY, UNREAD_WHILE
-from dflash.override_effects import SweepEffects, sweep_problems, unused_overrides
+from dflash.core.cli_flags import translate_wandb_flags
+from dflash.core.config import OPTION_KEYS, READ_ONLY_BY, UNREAD_WHILE
+from dflash.core.override_effects import SweepEffects, sweep_problems, unused_overrides
 
 CONF = str(REPO / "conf")
 
@@ -21,7 +22,7 @@ def test_the_headline_overrides_on_the_default_loss_each_say_they_do_nothing():
     overrides = ["loss.kl_temperature=2", "loss.streak_alpha=0.5", "train.seed=3"]
     lines = unused_overrides(compose_config(overrides), overrides)
     assert len(lines) == 2
-    assert lines[0].startswith("loss.kl_temperature=2 has no effect: loss.kl_weight=0 turns off")
+    assert lines[0].startswith("loss.kl_temperature=2 has no effect: loss.kl_weight=0 turns it off")
     assert lines[1].startswith("loss.streak_alpha=0.5 has no effect: loss=dpace does not read it")
     assert "only loss=kl_streak" in lines[1]
 
@@ -51,7 +52,14 @@ def test_each_option_reads_the_keys_the_table_says(overrides, unread):
 
 
 def test_the_table_names_real_keys_and_options():
-    from dflash.config import DRAFTER_NAMES, LOSS_NAMES, OPTIM_NAMES, PIPELINE_MODES, SCHEDULE_NAMES
+    from dflash.core.config import (
+        DRAFTER_NAMES,
+        LOSS_NAMES,
+        OPTIM_NAMES,
+        PIPELINE_MODES,
+        SCHEDULE_NAMES,
+        WANDB_MODES,
+    )
 
     cfg = compose_config([])
     names = {
@@ -60,12 +68,13 @@ def test_the_table_names_real_keys_and_options():
         "pipeline": PIPELINE_MODES,
         "drafter": DRAFTER_NAMES,
         "optim": OPTIM_NAMES,
+        "logging": WANDB_MODES,
     }
     for key, readers in READ_ONLY_BY.items():
         group = key.split(".")[0]
-        assert key.split(".")[1] in cfg[group] and set(readers) < set(names[group]), key
-    assert all(key.split(".")[1] in cfg[group] for group, key in OPTION_KEYS.items())
-    assert all(key in READ_ONLY_BY for key in UNREAD_WHILE)
+        assert OmegaConf.select(cfg, key, default=MISSING) is not MISSING and set(readers) < set(names[group]), key
+    assert all(OmegaConf.select(cfg, key, default=MISSING) is not MISSING for key in OPTION_KEYS.values())
+    assert all(key in READ_ONLY_BY and other in READ_ONLY_BY for key, (other, _) in UNREAD_WHILE.items())
 
 
 def _multirun(overrides: list[str]):
@@ -127,6 +136,58 @@ def test_a_swept_group_choice_with_no_reader_is_refused():
     ]
 
 
+def test_wandb_flags_that_no_sink_reads_say_so_and_a_sweep_refuses_them(monkeypatch):
+    """experiment=smoke chooses logging=jsonl: --wandb-project and --wandb-run-name would name no W&B run."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # logging=wandb's mode follows it; CI sets it to disabled
+    argv = translate_wandb_flags(["launch.py", "experiment=smoke", "--wandb-project", "P", "--wandb-run-name", "N"])
+    lines = unused_overrides(compose_config(argv[1:]), argv[1:])
+    assert lines == [
+        f"logging.wandb.{key}={value} ({flag}) has no effect: logging.wandb.mode=disabled does not read it (only "
+        "logging.wandb.mode=online or logging.wandb.mode=offline: logging=wandb turns W&B on)"
+        for key, value, flag in (("project", "P", "--wandb-project"), ("name", "N", "--wandb-run-name"))
+    ]
+    on = translate_wandb_flags(["launch.py", "experiment=smoke", "logging=wandb", "--wandb-project", "P"])[1:]
+    assert unused_overrides(compose_config(on), on) == []
+    off = translate_wandb_flags(["launch.py", "--no-wandb", "logging.wandb.tags=[a]"])[1:]
+    assert [line.split(" ", 1)[0] for line in unused_overrides(compose_config(off), off)] == ["logging.wandb.tags=[a]"]
+
+    refusals, _ = _problems(["experiment=smoke", "logging.wandb.project=P", "train.seed=0,1"])
+    assert refusals == [
+        "logging.wandb.project=P (--wandb-project) is set but no job reads it: logging.wandb.mode=disabled does not "
+        "read it (only logging.wandb.mode=online or logging.wandb.mode=offline: logging=wandb turns W&B on)"
+    ]
+    refusals, [warning] = _problems(["experiment=smoke", "logging=jsonl,wandb", "logging.wandb.name=N"])
+    assert refusals == [] and warning.startswith("logging.wandb.name=N (--wandb-run-name) is set but the jobs with")
+    assert _problems(["logging.wandb.project=P", "train.seed=0,1"]) == ([], [])  # the default logs to W&B
+
+
+def test_a_family_key_another_of_its_keys_turns_off_says_so():
+    overrides = ["drafter=dspark", "drafter.markov_rank=0", "drafter.confidence_head_with_markov=false"]
+    lines = unused_overrides(
+        compose_config([*overrides, "drafter.markov_head_type=gated"]), ["drafter.markov_head_type=gated"]
+    )
+    assert lines == [
+        "drafter.markov_head_type=gated has no effect: drafter.markov_rank=0 turns it off (drafter=dspark; set "
+        "drafter.markov_rank > 0)"
+    ]
+    lines = unused_overrides(compose_config(["drafter.markov_head_type=rnn"]), ["drafter.markov_head_type=rnn"])
+    assert lines == [
+        "drafter.markov_head_type=rnn has no effect: drafter=dflash does not read it (only drafter=dspark with "
+        "drafter.markov_rank > 0)"
+    ]
+    off = ["drafter=dspark", "drafter.confidence_head=false", "drafter.confidence_head_with_markov=false"]
+    assert unused_overrides(compose_config(off), off[2:]) == [
+        "drafter.confidence_head_with_markov=false has no effect: drafter.confidence_head=false turns it off "
+        "(drafter=dspark; set drafter.confidence_head=true)"
+    ]
+    refusals, _ = _problems([*overrides, "drafter.markov_head_type=gated,rnn"])
+    assert refusals == [
+        "drafter.markov_head_type is swept (gated,rnn) but no job reads it: drafter.markov_rank=0 turns it off "
+        "(drafter=dspark; set drafter.markov_rank > 0)"
+    ]
+    assert _problems(["drafter=dspark", "drafter.markov_rank=0,8", "drafter.markov_head_type=gated,rnn"])[0] == []
+
+
 @pytest.mark.slow
 def test_launch_refuses_the_headline_sweep_before_any_job_and_a_run_warns(tmp_path, cache_dir):
     sweep = tmp_path / "sweep"
@@ -138,16 +199,37 @@ def test_launch_refuses_the_headline_sweep_before_any_job_and_a_run_warns(tmp_pa
 
 def test_a_run_warns_once_about_each_override_it_does_not_read(tmp_path, monkeypatch, caplog):
     """lifecycle.main says it before anything else of the run (here the run then fails on a missing target)."""
-    from dflash.job_info import JobInfo
-    from dflash.lifecycle import main
+    from dflash.runner.job_info import JobInfo
+    from dflash.runner.lifecycle import main
 
     overrides = ["loss.streak_alpha=0.5", f"model.target={tmp_path / 'none'}", "model.build.kind=none"]
     cfg = compose_config(["experiment=smoke", "logging=jsonl", *overrides])
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setattr(sys, "argv", ["launch.py"])
-    with caplog.at_level(logging.WARNING, logger="dflash.override_effects"), pytest.raises(Exception):  # noqa: B017
+    with caplog.at_level(logging.WARNING, logger="dflash.core.override_effects"), pytest.raises(Exception):  # noqa: B017
         main(cfg, JobInfo(run_dir=tmp_path / "run", overrides=overrides))
-    lines = [r.getMessage() for r in caplog.records if r.name == "dflash.override_effects"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "dflash.core.override_effects"]
     assert lines == [
         "loss.streak_alpha=0.5 has no effect: loss=dpace does not read it (only loss=kl_streak)",
+    ]
+
+
+def test_a_run_given_wandb_flags_under_logging_jsonl_warns_naming_the_flags(tmp_path, monkeypatch, caplog):
+    """The issue's command, `launch.py experiment=smoke --wandb-project P --wandb-run-name N`, as lifecycle.main
+    receives it: a warning per flag before anything else (here the run then fails on a missing target)."""
+    from dflash.runner.job_info import JobInfo
+    from dflash.runner.lifecycle import main
+
+    missing = [f"model.target={tmp_path / 'none'}", "model.build.kind=none"]
+    argv = translate_wandb_flags(["launch.py", "experiment=smoke", "--wandb-project", "P", "--wandb-run-name", "N"])
+    overrides = [*argv[1:], *missing]
+    cfg = compose_config(overrides)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(sys, "argv", ["launch.py"])
+    with caplog.at_level(logging.WARNING, logger="dflash.core.override_effects"), pytest.raises(Exception):  # noqa: B017
+        main(cfg, JobInfo(run_dir=tmp_path / "run", overrides=overrides))
+    lines = [r.getMessage() for r in caplog.records if r.name == "dflash.core.override_effects"]
+    assert [line.split(" has no effect")[0] for line in lines] == [
+        "logging.wandb.project=P (--wandb-project)",
+        "logging.wandb.name=N (--wandb-run-name)",
     ]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dflash import interrupts
+from dflash.core import interrupts
 from dflash.train import channel, monitor, pipeline
 from dflash.train.channel import END, BoundedChannel, ChannelClosed, InOrder, item_nbytes
 from dflash.train.monitor import MONITOR_KEYS, StageStats
@@ -376,7 +376,7 @@ def test_generator_source_is_closed_when_run_returns(mode):
 
 
 def test_signal_handler_stops_the_run(monkeypatch):
-    """The main thread waits in short slices, so the real SIGINT handler (dflash.interrupts) runs during run()
+    """The main thread waits in short slices, so the real SIGINT handler (dflash.core.interrupts) runs during run()
     and the event it sets stops the pipeline."""
     monkeypatch.setattr(interrupts, "received", None)  # restored after the test, as the handler sets it
     stop = threading.Event()

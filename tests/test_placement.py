@@ -36,8 +36,8 @@ def test_target_heads_are_frozen_copies_on_the_drafters_device(tiny_target):
 
 
 def test_placement_needs_one_process():
-    from dflash.config import ConfigError
-    from dflash.validation import validate
+    from dflash.core.config import ConfigError
+    from dflash.core.validation import validate
 
     cfg = compose_config(["parallel=ddp", "parallel.drafter_device=cuda:1"])
     with pytest.raises(ConfigError, match="parallel.target_devices/drafter_device"):

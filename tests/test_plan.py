@@ -52,22 +52,36 @@ def test_the_plan_splits_the_peak_and_fsdp_shards_the_drafter():
     assert all(bigger[s] >= fits[s] for s in fits)
 
 
-@pytest.mark.parametrize(("optim", "exclude"), [("adamw", "[]"), ("muon", "[]"), ("muon", "[fc]")])
-def test_planned_optimizer_state_is_the_real_optimizers_after_a_step(tiny_target, optim, exclude):
+@pytest.mark.parametrize(
+    ("optim", "exclude", "family"),
+    [
+        ("adamw", "[]", "dflash"),
+        ("muon", "[]", "dflash"),
+        ("muon", "[fc]", "dflash"),
+        ("muon", "[]", "dspark"),
+        ("muon", "[]", "dflash2"),
+        ("adamw", "[]", "dspark"),
+    ],
+)
+def test_planned_optimizer_state_is_the_real_optimizers_after_a_step(tiny_target, optim, exclude, family):
     """AdamW keeps two moments per parameter, Muon one momentum buffer per matrix it takes (AdamW two for the
-    norms and optim.muon_exclude's matrices): the plan equals the bytes DrafterOptimizer holds after one step."""
+    norms, optim.muon_exclude's matrices and a family's vocabulary tables): the plan equals the bytes
+    DrafterOptimizer holds after one step, and its drafter parameters the family's drafter's."""
     import torch
 
-    from dflash.model.build import build_drafter_config
-    from dflash.model.drafter import DFlashDraftModel
+    from dflash.model.build import build_drafter_config, init_drafter
+    from dflash.model.families import configure_family
     from dflash.model.plan import planned_shape
     from dflash.model.target import load_target_config
     from dflash.train.optimizers import DrafterOptimizer
 
     more = [f"optim.muon_exclude={exclude}"] if optim == "muon" else []
-    cfg = compose_config(["experiment=smoke", f"model.target={tiny_target}", f"optim={optim}", *more])
+    cfg = compose_config(
+        ["experiment=smoke", f"model.target={tiny_target}", f"optim={optim}", f"drafter={family}", *more]
+    )
     config = build_drafter_config(load_target_config(str(tiny_target)), cfg.model, list(cfg.model.target_layer_ids), 0)
-    drafter = DFlashDraftModel(config)
+    configure_family(config, cfg.drafter)
+    drafter = init_drafter(config, 0)
     optimizer = DrafterOptimizer(drafter, cfg.optim, lr=1e-3)
     for p in drafter.parameters():
         p.grad = torch.ones_like(p)
@@ -75,8 +89,9 @@ def test_planned_optimizer_state_is_the_real_optimizers_after_a_step(tiny_target
     # AdamW's per-parameter `step` is a scalar counter, not state the size of a parameter
     held = sum(v.nbytes for s in optimizer.state.values() for k, v in s.items() if k != "step")
     shape, _ = planned_shape(cfg.model)
-    assert memory_parts(cfg, shape, 1, device="cpu")["optimizer state"] == held
+    parts = memory_parts(cfg, shape, 1, device="cpu")
     params = sum(p.nbytes for p in drafter.parameters())
+    assert (parts["optimizer state"], parts["drafter parameters"]) == (held, params)
     assert (held == 2 * params) == (optim == "adamw")  # Muon's state is smaller than AdamW's two moments
 
 
@@ -145,7 +160,7 @@ def test_a_process_started_by_a_big_parent_measures_its_own_peak():
     (exec keeps it), which is how the tiny run once measured 851 MiB under pytest against 700 alone."""
     ballast = bytearray(400 * 2**20)
     ballast[::4096] = b"\1" * len(range(0, len(ballast), 4096))  # touch every page: resident
-    code = "from dflash.machine import peak_rss_mb; print(peak_rss_mb())"
+    code = "from dflash.core.machine import peak_rss_mb; print(peak_rss_mb())"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert float(out.stdout) < 200, f"a bare interpreter measured {out.stdout.strip()} MiB"
     del ballast

@@ -7,7 +7,7 @@ import json
 import pytest
 from test_compare import base_config, write_run
 
-from dflash.rundir import find_runs
+from dflash.core.rundir import find_runs
 from dflash.tools.compare_cli import main
 from dflash.tools.rank_corr import rank_corr_table, ranks, spearman
 

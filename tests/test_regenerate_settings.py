@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
 
 import pytest
 
@@ -147,3 +148,73 @@ def test_the_hf_backend_names_the_target_files_it_answers_with(tiny_target, tmp_
     assert {k: v for k, v in second.items() if k != "target_files"} == {
         k: v for k, v in first.items() if k != "target_files"
     }
+
+
+class _Busy(_Backend):
+    """Spends 20 ms of CPU per batch: a cost that shows in process_time's resolution."""
+
+    def complete(self, conversations):
+        t0 = time.process_time()
+        while time.process_time() - t0 < 0.02:
+            pass
+        return super().complete(conversations)
+
+
+def test_out_cost_json_adds_up_what_the_answers_cost_over_resumes(tmp_path):
+    """make real's cost of a run counts the regeneration however many runs made the answers (#46): each resume
+    adds its CPU and wall seconds and answers; a new OUT starts a new account."""
+    from dflash.tools.regenerate import cost_path, read_cost, regenerate_file
+
+    inp, out = _input(tmp_path, 6), tmp_path / "out.jsonl"
+    assert read_cost(out) == {"cpu_s": 0.0, "wall_s": 0.0, "answers": 0}  # none recorded
+    regenerate_file(inp, out, _Busy("chat-v1"), chunk_size=4)
+    first = read_cost(out)
+    assert first["answers"] == 6 and first["cpu_s"] >= 0.04 and first["wall_s"] >= 0.04
+    out.write_text("".join(out.read_text().splitlines(keepends=True)[:2]))  # a kill after 2 of 6 answers
+    regenerate_file(inp, out, _Busy("chat-v1"), chunk_size=4)
+    resumed = read_cost(out)
+    assert resumed["answers"] == 10 and resumed["cpu_s"] >= first["cpu_s"] + 0.02  # what was spent, the lost ones too
+    regenerate_file(inp, out, _Busy("chat-v1"), chunk_size=4)  # nothing to do: nothing spent
+    assert read_cost(out) == resumed
+    out.unlink()
+    regenerate_file(inp, out, _Busy("chat-v1"), chunk_size=4)
+    assert json.loads(cost_path(out).read_text())["answers"] == 6
+
+
+class _Built(_Backend):
+    """A built or converted target: its files' hashes as HFBackend.identity lists them."""
+
+    def __init__(self, files: dict | None = None):
+        super().__init__("built")
+        self.files = {"build_info.json": "b1", "config.json": "c1", "model.safetensors": "w1", **(files or {})}
+
+    def identity(self) -> dict:
+        return {**super().identity(), "target_files": dict(self.files)}
+
+
+def test_a_targets_json_rewritten_in_place_by_its_builder_keeps_the_answers(tmp_path, caplog):
+    """model/gguf_target.py rewrites a cached conversion's config.json and tokenizer_config.json as a plain
+    checkpoint's (the same RoPE in both forms): the 400 answers regenerated before are still this target's. The
+    same file hashes otherwise: other weights, another build, or a target without build_info.json."""
+    from dflash.tools.regenerate import regenerate_file
+
+    inp, out = _input(tmp_path, 4), tmp_path / "out.jsonl"
+    regenerate_file(inp, out, _Built(), chunk_size=2)
+    out.write_text("".join(out.read_text().splitlines(keepends=True)[:2]))  # 2 of 4 made before the rewrite
+    with pytest.raises(ValueError, match="target_files"):
+        regenerate_file(inp, out, _Built({"model.safetensors": "w2", "config.json": "c2"}), chunk_size=2)
+    with pytest.raises(ValueError, match="target_files"):
+        regenerate_file(inp, out, _Built({"build_info.json": "b2", "config.json": "c2"}), chunk_size=2)
+    rewritten = _Built({"config.json": "c2"})
+    outcome = regenerate_file(inp, out, rewritten, chunk_size=2)
+    assert (outcome.done_before, outcome.completed, rewritten.asked) == (2, 2, 2)
+    assert "the target's config.json changed since its 2 answers were made" in caplog.text
+
+    plain = tmp_path / "plain.jsonl"  # no build_info.json: file for file
+    hub = _Built()
+    del hub.files["build_info.json"]
+    regenerate_file(inp, plain, hub, chunk_size=2)
+    plain.write_text(plain.read_text().splitlines(keepends=True)[0])
+    hub.files["config.json"] = "c2"
+    with pytest.raises(ValueError, match="target_files"):
+        regenerate_file(inp, plain, hub, chunk_size=2)

@@ -1,4 +1,4 @@
-"""The degenerate-output measure (dflash/repetition.py) on hand-made token sequences, and its place in the
+"""The degenerate-output measure (dflash/core/repetition.py) on hand-made token sequences, and its place in the
 benchmark's metrics."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from dflash.repetition import MAX_DISTINCT, WINDOW, degenerate_share, distinct_tail, is_degenerate
+from dflash.core.repetition import MAX_DISTINCT, WINDOW, degenerate_share, distinct_tail, is_degenerate
 
 PROSE = list(range(100, 100 + 40))  # no token repeats
 NL2, NL3, ONE, DOT = 5, 6, 7, 8  # "\n\n", "\n\n\n", "1", "."
@@ -59,8 +59,8 @@ def test_window_and_share():
 
 
 def test_the_benchmark_reports_the_share_of_degenerate_generations():
+    from dflash.core.rundir import BENCH_COLUMNS
     from dflash.evaluation.benchmark import suite_metrics
-    from dflash.rundir import BENCH_COLUMNS
 
     def gen(tokens):
         n = len(tokens)

@@ -5,6 +5,7 @@ a stop token's cycle; the traces are computed once and reused."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -96,7 +97,7 @@ def _family_drafter(target, zero, name: str, **settings):
     the biased target's favourite token and cycles accept drafts."""
     import copy
 
-    from dflash.config import DrafterConfig
+    from dflash.core.config import DrafterConfig
     from dflash.model.families import configure_family, drafter_class
 
     config = copy.deepcopy(zero.config)
@@ -186,6 +187,7 @@ def test_a_familys_replay_reuses_the_traces_and_reports_decodings_tau_and_calibr
         r["accept_lengths"] for r in decoded["details"]["prompts"]
     ]
     assert replayed["eval/tau"] == decoded["eval/tau"]
+    assert replayed["eval/tau_ci95_low"] == decoded["eval/tau_ci95_low"]  # the same lengths, the same interval
     calibration = {k: v for k, v in decoded.items() if k.startswith("eval/conf_")}
     assert "eval/conf_error" in calibration
     assert {k: replayed[k] for k in calibration} == pytest.approx(calibration, abs=1e-5)
@@ -237,6 +239,25 @@ def test_a_suites_turns_replay_as_they_decode(setup, tmp_path, tiny_dir):
         assert [g[key] for g in replayed["generations"]] == [g[key] for g in decoded["generations"]], key
     assert replayed["metrics"]["tau"] == decoded["metrics"]["tau"]
     assert "lossless" not in replayed["metrics"] and decoded["metrics"]["lossless"] == 1.0
+
+
+def test_a_replayed_job_reports_no_speed(setup, tmp_path, tiny_dir):
+    """Nothing is decoded under replay: the traces' decode time is the job's (and machine's) that made them, so no
+    target-only speed is reported, neither by the eval nor by a suite (two replays would print the same figure)."""
+    from transformers import AutoTokenizer
+
+    from dflash.evaluation.benchmark import run_suite
+
+    target, zero, _, prompts = setup
+    settings = {"max_new_tokens": N, "block_size": B, "layer_ids": zero.target_layer_ids, "dtype": "float32"}
+    cache = TraceCache(tmp_path / "replay", target_identity(str(tiny_dir)), settings)
+    result = replay_evaluate(target, zero, prompts, cache, max_new_tokens=N, block_size=B)
+    assert not [k for k in result if any(word in k for word in ("tok_s", "speedup", "time_s"))]
+    assert not [k for row in result["details"]["prompts"] for k in row if "time" in k]
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    common = dict(temperature=0.0, thinking=None, max_new_tokens=N, block_size=B, trace_cache=cache)
+    metrics = run_suite(target, zero, tok, [["def add(a, b):"]], **common)["metrics"]
+    assert all(math.isnan(metrics[k]) for k in ("tok_s", "tok_s_target_only", "speedup"))
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from test_compare import base_config, write_run
 def test_a_one_point_series_is_drawn_as_a_point(tmp_path: Path) -> None:
     """A run that stopped after its first monitor record: each panel's one-point series shows a marker (a line
     through one point draws nothing: the panel looked empty although it had a legend)."""
-    from dflash.rundir import load_run
+    from dflash.core.rundir import load_run
     from dflash.tracking.report import figure
 
     record = {"step": 1, "time_s": 2.0, "train/loss": 3.0, "train/loss_ce": 2.5, "perf/ktok_s": 1.5}

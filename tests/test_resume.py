@@ -240,15 +240,12 @@ def test_resume_of_a_mistyped_path_creates_nothing(tmp_path, cache_dir):
 
 
 def test_resume_path_with_tilde_is_expanded_before_hydra(tmp_path, monkeypatch):
-    import importlib.util
+    from dflash.runner import entry
 
-    spec = importlib.util.spec_from_file_location("launch_module", REPO / "launch.py")
-    launch_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(launch_module)
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config_resolved.yaml").write_text("{}\n")
-    argv = launch_module._route_resume(["launch.py", "+resume=~/run", "train.max_steps=3"])
+    argv = entry._route_resume(["launch.py", "+resume=~/run", "train.max_steps=3"])
     assert argv == [
         "launch.py",
         f"resume={tmp_path / 'run'}",

@@ -69,6 +69,7 @@ def test_smoke_run_leaves_a_complete_run_dir(tmp_path, cache_dir, tiny_target):
         "drafter/config.json",
         "drafter/model.safetensors",
         "drafter/dflash.py",
+        "drafter/README.md",  # the model card: what the drafter is evidence of
     ):
         assert (run_dir / name).exists(), name
     assert status(run_dir)["status"] == "completed"
@@ -93,6 +94,8 @@ def test_smoke_run_leaves_a_complete_run_dir(tmp_path, cache_dir, tiny_target):
     assert any(r["perf/hs_queue_depth"] > 0 for r in records)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["step"] == 12 and "eval/tau" in summary
+    card = (run_dir / "drafter" / "README.md").read_text()
+    assert card.startswith("---\nbase_model: ") and f"| held-out | {summary['eval/tau']:.3f} |" in card
 
 
 def test_evaluate_cli_reproduces_the_runs_final_eval(tmp_path, cache_dir, tiny_target):
@@ -257,7 +260,7 @@ def test_drafter_stuck_past_join_timeout_writes_no_final_checkpoint(
     import threading
 
     import dflash.evaluation.evaluator as evaluator_module
-    from dflash.lifecycle import JobInfo, main
+    from dflash.runner.lifecycle import JobInfo, main
 
     release = threading.Event()
     real_evaluate = evaluator_module.evaluate
@@ -292,13 +295,13 @@ def test_drafter_stuck_past_join_timeout_writes_no_final_checkpoint(
 def test_failing_export_still_ends_the_callbacks(tmp_path, cache_dir, tiny_target, monkeypatch, caplog):
     import logging
 
-    import dflash.finish
-    from dflash.lifecycle import JobInfo, main
+    import dflash.runner.finish
+    from dflash.runner.lifecycle import JobInfo, main
 
     def broken_export(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(dflash.finish, "export_drafter", broken_export)
+    monkeypatch.setattr(dflash.runner.finish, "export_drafter", broken_export)
     cfg = _in_process(["train.max_steps=3"], cache_dir, monkeypatch)
     with caplog.at_level(logging.INFO, logger="dflash.tracking"), pytest.raises(OSError, match="disk full"):
         main(cfg, JobInfo(tmp_path / "run"))
@@ -310,7 +313,7 @@ def test_second_signal_records_the_status_before_the_forced_exit(monkeypatch):
     """A second SIGTERM/SIGINT exits at once (no cleanup): status.json must say so first, not stay running."""
     import threading
 
-    from dflash import interrupts
+    from dflash.core import interrupts
 
     installed, raised, recorded = {}, [], []
     monkeypatch.setattr(interrupts.signal, "signal", lambda sig, h: installed.setdefault(sig, h))  # keeps the first

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.config import ScheduleConfig
+from dflash.core.config import ScheduleConfig
 from dflash.train.schedules import add_feature_noise, lr_at, noise_std_at, warmup_steps
 
 # 20 steps, warmup ceil(0.25 * 20) = 5 steps; lr 1.0, min 0.1

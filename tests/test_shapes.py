@@ -14,10 +14,10 @@ from conftest import compose_config, launch
 from test_distributed import torchrun
 from test_plan import check_prediction
 
-from dflash.config import ConfigError
-from dflash.machine import slow_cpu_dtype
+from dflash.core.config import ConfigError
+from dflash.core.machine import slow_cpu_dtype
+from dflash.core.validation import validate
 from dflash.train.step_watch import StepWatch, watch_first_step
-from dflash.validation import validate
 
 SHAPES = ["experiment=qwen3_8b_cpu"]
 

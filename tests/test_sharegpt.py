@@ -164,7 +164,7 @@ def test_a_template_that_rejects_a_conversation_is_a_reason(tiny_tokenizer):
 
 
 def _cfg(path, **kw):
-    from dflash.config import DataConfig
+    from dflash.core.config import DataConfig
 
     return OmegaConf.merge(OmegaConf.structured(DataConfig(name="jsonl", path=str(path))), kw)
 

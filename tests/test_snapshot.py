@@ -13,9 +13,9 @@ from hydra.core.utils import _save_config
 from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
-from dflash.jsonio import _UMASK, write_json
-from dflash.rundir import StatusFile
-from dflash.secrets import REDACTED, CommandLineSecrets, redact, scrub_arguments, scrub_text, secret_arguments
+from dflash.core.jsonio import _UMASK, write_json
+from dflash.core.rundir import StatusFile
+from dflash.core.secrets import REDACTED, CommandLineSecrets, redact, scrub_arguments, scrub_text, secret_arguments
 
 
 def test_secret_keys_are_redacted_with_or_without_hydra_prefixes():
@@ -110,7 +110,7 @@ def test_hydra_files_without_a_command_line_secret_stay_as_written(tmp_path):
 def test_a_command_line_secret_warns_once_naming_the_key_on_rank_0(tmp_path, monkeypatch, caplog):
     cfg, _ = _hydra_job(tmp_path, ["experiment=smoke", SECRET_ARG])
     monkeypatch.delenv("RANK", raising=False)
-    with caplog.at_level(logging.WARNING, logger="dflash.secrets"):
+    with caplog.at_level(logging.WARNING, logger="dflash.core.secrets"):
         CommandLineSecrets().on_run_start(config=cfg)
     [record] = caplog.records
     assert "logging.wandb.settings.api_key" in record.message and "${oc.env:NAME}" in record.message
@@ -151,7 +151,7 @@ def test_swept_keys_are_read_beside_a_redacted_secret(tmp_path, monkeypatch):
     """A multirun job names itself by the keys the command line sweeps: still so once sys.argv is redacted."""
     from hydra.core.hydra_config import HydraConfig
 
-    from dflash.job_info import _swept_keys
+    from dflash.runner.job_info import _swept_keys
 
     cfg, _ = _hydra_job(tmp_path, ["experiment=smoke"], multirun=True)
     monkeypatch.setattr(sys, "argv", ["launch.py", "-m", "loss.kl_temperature=1,2", redact(SECRET_ARG)])

@@ -8,8 +8,8 @@ import shutil
 import pytest
 from omegaconf import OmegaConf
 
-from dflash import interrupts
-from dflash.config import DataConfig, RegenerateConfig
+from dflash.core import interrupts
+from dflash.core.config import DataConfig, RegenerateConfig
 from dflash.data.regenerate import regenerate_documents, regenerated_corpus
 
 

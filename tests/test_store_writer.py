@@ -85,7 +85,7 @@ def test_the_manifest_records_the_tokenizer_and_rendering_and_a_change_is_named(
     version differs from the run's is refused naming that key with both values."""
     from omegaconf import OmegaConf
 
-    from dflash.config import Config
+    from dflash.core.config import Config
     from dflash.data.chat_dataset import RENDER_VERSION
     from dflash.train.feature_store import StoreMismatch, check_manifest, manifest_for
 

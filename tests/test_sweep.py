@@ -110,7 +110,7 @@ def test_jobs_in_one_process_free_threads_and_models(tmp_path, cache_dir, tiny_t
 
     from conftest import compose_config
 
-    from dflash.lifecycle import JobInfo, main
+    from dflash.runner.lifecycle import JobInfo, main
 
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(cache_dir))
     cfg = compose_config(SMOKE)

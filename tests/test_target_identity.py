@@ -9,7 +9,7 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from dflash.config import Config
+from dflash.core.config import Config
 from dflash.data.fingerprint import data_fingerprint, differences
 from dflash.train.feature_store import StoreMismatch, check_manifest, manifest_for
 

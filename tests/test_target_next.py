@@ -11,12 +11,12 @@ from safetensors.torch import load_file
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash.data.batches import Batch
-from dflash.feature_build import build_store
 from dflash.model import families
 from dflash.model.build import build_drafter_config, init_drafter
 from dflash.model.families import configure_family
 from dflash.model.losses import dflash_loss
 from dflash.model.target import TargetModel, greedy_tokens
+from dflash.runner.feature_build import build_store
 from dflash.train import trainer as trainer_module
 from dflash.train.feature_store import StoreReader, StoreWriter
 from dflash.train.trainer import DrafterTrainer, TargetForward

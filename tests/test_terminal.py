@@ -150,7 +150,7 @@ def test_summary_train_metrics_do_not_depend_on_timing(tmp_path, cache_dir, tiny
 
 
 def test_report_draws_every_panel(tmp_path, cache_dir, tiny_target):
-    from dflash.rundir import load_run
+    from dflash.core.rundir import load_run
     from dflash.tracking.report import PANELS, figure, main
 
     run_dir = tmp_path / "run"

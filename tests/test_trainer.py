@@ -7,7 +7,7 @@ import torch
 from conftest import REPO
 from hydra import compose, initialize_config_dir
 
-from dflash.config import register_configs
+from dflash.core.config import register_configs
 from dflash.data.batches import Batch
 from dflash.model.build import build_drafter_config
 from dflash.model.drafter import DFlashDraftModel

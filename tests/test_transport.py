@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dflash.distributed import open_links
+from dflash.core.distributed import open_links
 from dflash.train import transport
 from dflash.train.transport import Receiver, Sender, TransportError
 

@@ -11,7 +11,7 @@ import yaml
 from conftest import compose_config, launch
 from wandb_offline import read_offline_run
 
-from dflash.cli_flags import FlagError, translate_wandb_flags
+from dflash.core.cli_flags import FlagError, translate_wandb_flags
 
 PROG = "launch.py"
 SMALL = ["experiment=smoke", "train.max_steps=2", "eval.num_prompts=0", "checkpoint.every_steps=0"]

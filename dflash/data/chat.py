@@ -8,10 +8,11 @@ as unsupervised context, turns after the last assistant turn dropped; what is le
 Chat records are rendered once with the tokenizer's chat template; each assistant turn's *character* span is
 found in that text (its generation prompt is a prefix of the conversation's render; the turn ends after its
 content and the template's end-of-turn marker), and a token is supervised when its characters overlap a span
-(the fast tokenizer's offset mapping). Working on characters, not token prefixes, means a BPE merge across a
-turn boundary ('assistant\\n' + '    x = 1' -> 'assistant' + '\\n    ' ...) cannot drop a turn: the merged
-token overlaps the answer, so it is supervised. Renders per record: one for the whole conversation plus one
-generation prompt per assistant turn.
+(the fast tokenizer's offset mapping); a turn cut at the generation limit (`"finish_reason": "length"`) is
+supervised without the marker, which its model never wrote. Working on characters, not token prefixes, means
+a BPE merge across a turn boundary ('assistant\\n' + '    x = 1' -> 'assistant' + '\\n    ' ...) cannot drop a
+turn: the merged token overlaps the answer, so it is supervised. Renders per record: one for the whole
+conversation plus one generation prompt per assistant turn.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def record_messages(record: dict, where: str) -> list[dict] | None:
         msgs = record["messages"]
         if not (isinstance(msgs, list) and all(_is_message(m, "role", "content") for m in msgs)):
             raise BadRecordError(f"{where}: 'messages' must be a list of {{role, content}} strings", "bad_shape")
-        msgs = [{"role": m["role"], "content": m["content"]} for m in msgs]
+        msgs = [{"role": m["role"], "content": m["content"], **_cut(m)} for m in msgs]
     elif "conversations" in record:
         turns = record["conversations"]
         if not (isinstance(turns, list) and all(_is_message(t, "from", "value") for t in turns)):
@@ -101,8 +102,8 @@ def normalise(msgs: list[dict], where: str) -> list[dict]:
     for m in msgs:
         if not m["content"].strip():
             continue
-        if merged and merged[-1]["role"] == m["role"]:
-            merged[-1] = {"role": m["role"], "content": merged[-1]["content"] + "\n\n" + m["content"]}
+        if merged and merged[-1]["role"] == m["role"]:  # the turn ends as its last part does
+            merged[-1] = {**m, "content": merged[-1]["content"] + "\n\n" + m["content"]}
         else:
             merged.append(dict(m))
     if not merged:
@@ -118,6 +119,13 @@ def normalise(msgs: list[dict], where: str) -> list[dict]:
     return merged[: last + 1]
 
 
+def _cut(message: dict) -> dict:
+    """An assistant message cut at the generation limit (`"finish_reason": "length"`, as `python -m
+    dflash.regenerate` and OpenAI's API mark it): the target did not end that turn, so the end-of-turn marker
+    the chat template adds after it is not supervised."""
+    return {"finish_reason": "length"} if message.get("finish_reason") == "length" else {}
+
+
 def first_user(messages: list[dict]) -> int:
     """Index of the first user turn: assistant turns before it are context, not supervised."""
     return next(i for i, m in enumerate(messages) if m["role"] == "user")
@@ -129,8 +137,13 @@ def _is_message(m, role_key: str, content_key: str) -> bool:
 
 def render_template(tokenizer, messages: list[dict], add_generation_prompt: bool, **template_kwargs) -> str:
     return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+        plain(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
     )
+
+
+def plain(messages: list[dict]) -> list[dict]:
+    """The messages as templates and chat APIs take them: role and content (no finish_reason)."""
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def end_of_turn_marker(tokenizer, **template_kwargs) -> str:
@@ -168,7 +181,7 @@ def assistant_char_spans(
             raise BadRecordError(f"{where}: {why}", "not_in_render")
         at, c = min(found, key=lambda f: (f[0], -len(f[1])))  # the earliest, and there the longest
         end = at + len(c)
-        if eot and text.startswith(eot, end):
+        if eot and text.startswith(eot, end) and not _cut(m):  # a cut turn's marker is the template's alone
             end += len(eot)
         if start is None:  # no usable generation prompt: the turn starts where its content does
             start = at

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash.core.disk import check_free
 from dflash.data.chat import BadRecordError, end_of_turn_marker, parse_line, render_record
 from dflash.data.corpus import jsonl_files
 from dflash.data.records import iter_raw_records, read_error_reason
-from dflash.disk import check_free
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from dflash.data.corpus import jsonl_files, stdlib_root
+from dflash.data.tokens import token_files
 
 FULL_HASH_BYTES = 256 << 20
 _PIECE = 1 << 20
@@ -82,10 +83,9 @@ def file_hash(path: Path) -> str:
 
 def data_fingerprint(data_cfg, target: str) -> dict:
     """What the training data of a run is: files, tokenizer and the settings that shape the stream."""
-    if data_cfg.name == "jsonl":
-        files = {
-            str(p.resolve()): {"bytes": p.stat().st_size, "sha256": file_hash(p)} for p in jsonl_files(data_cfg.path)
-        }
+    if data_cfg.name in ("jsonl", "tokens"):
+        listed = jsonl_files(data_cfg.path) if data_cfg.name == "jsonl" else token_files(data_cfg.path)
+        files = {str(p.resolve()): {"bytes": p.stat().st_size, "sha256": file_hash(p)} for p in listed}
     else:  # the Python standard library's sources: their version stands for their content
         files = {str(stdlib_root()): {"python": sys.version.split()[0]}}
     tokenizer = hashed_files(Path(target).expanduser(), TOKENIZER_FILES)

@@ -10,6 +10,7 @@ import torch
 from dflash.data.chat_dataset import ChatData, load_chat_data
 from dflash.data.corpus import BadRecordError, read_text, stdlib_files
 from dflash.data.fingerprint import data_fingerprint
+from dflash.data.tokens import load_token_data, token_prompts
 
 
 def sample_prompts(tokenizer, texts: list[str], num_prompts: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
@@ -47,6 +48,8 @@ def heldout_prompts(
     if data_cfg.name == "stdlib":
         texts = [read_text(p) for p in stdlib_files("heldout", data_cfg.holdout_fraction)]
         return sample_prompts(tokenizer, texts, num_prompts, prompt_len, seed)
+    if data_cfg.name == "tokens":  # held-out records cut where their answer starts (data/tokens.py)
+        return token_prompts(load_token_data(data_cfg, seq_len=2**62), num_prompts, prompt_len, seed)
     if chat is None:
         chat = load_chat_data(data_cfg, tokenizer, data_fingerprint(data_cfg, target), cache_dir)
     return chat_prompts(chat, tokenizer, num_prompts, prompt_len, seed)

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from dflash import interrupts
+from dflash.core import interrupts
 from dflash.data.corpus import Document, read_text, stdlib_files
 from dflash.data.fingerprint import TOKENIZER_FILES, target_hashes
+from dflash.data.generate import generate_continuations
 from dflash.data.prompts import sample_prompts
-from dflash.model.generate import generate_continuations
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 def regenerate_documents(model, tokenizer, prompts: list[list[int]], regen_cfg, seed: int) -> list[Document]:
     """The target's own continuations: prompt tokens unsupervised, generated tokens supervised.
     All prompts have the same length, so batches need no padding."""
-    from dflash.terminal import display
+    from dflash.core.terminal import display
 
     docs: list[Document] = []
     torch.manual_seed(seed)

@@ -1,5 +1,6 @@
-"""A run's training data: the stdlib corpus (packed windows) or `data=jsonl` (single conversations in length
-buckets, rendered once into the `datasets` cache), built the same on every rank."""
+"""A run's training data: the stdlib corpus (packed windows), `data=jsonl` (single conversations in length
+buckets, rendered once into the `datasets` cache) or `data=tokens` (conversations as token ids, data/tokens.py),
+built the same on every rank."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dflash.config import data_seed
+from dflash.core.config import data_seed
 from dflash.data.batches import PackedBatches, pack
 from dflash.data.buckets import BucketedBatches
 from dflash.data.chat_dataset import ChatData, load_chat_data
@@ -16,6 +17,7 @@ from dflash.data.corpus import stdlib_documents
 from dflash.data.fingerprint import data_fingerprint
 from dflash.data.regenerate import regenerated_corpus
 from dflash.data.rows import build_rows, fetch_rows
+from dflash.data.tokens import load_token_data
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,8 @@ def build_training_data(
 ) -> TrainingData:
     if data_cfg.name == "jsonl":
         return _jsonl_data(data_cfg, train_cfg, tokenizer, target_path, cache_dir, fingerprint)
+    if data_cfg.name == "tokens":
+        return _token_data(data_cfg, train_cfg, tokenizer)
     if data_cfg.regenerate.enabled:
         docs = regenerated_corpus(target_model, tokenizer, target_path, data_cfg, data_seed(train_cfg), cache_dir)
     else:
@@ -115,6 +119,29 @@ def _jsonl_data(data_cfg, train_cfg, tokenizer, target_path, cache_dir, fingerpr
         pad_to_multiple_of=data_cfg.pad_to_multiple_of,
     )
     return TrainingData(batches, sum(skipped.values()), chat, skipped, sup)
+
+
+def _token_data(data_cfg, train_cfg, tokenizer) -> TrainingData:
+    data = load_token_data(data_cfg, train_cfg.seq_len)
+    sup = data.supervised_tokens
+    log.info(
+        "data=tokens: %d records (%d held out for eval prompts, %d left out: nothing to supervise within "
+        "train.seq_len=%d), %.2fM tokens, %.2fM supervised",
+        len(data.records), data.heldout_rows.size, data.left_out, train_cfg.seq_len,
+        int(data.records.lengths[data.train_rows].sum()) / 1e6, sup / 1e6,
+    )  # fmt: skip
+    batches = BucketedBatches(
+        data.fetch,
+        data.train_rows,
+        data.records.lengths,
+        train_cfg.seq_len,
+        train_cfg.batch_size,
+        data_seed(train_cfg),
+        _pad_id(tokenizer),
+        pad_to_multiple_of=data_cfg.pad_to_multiple_of,
+    )
+    skipped = {"nothing_to_supervise_within_seq_len": data.left_out} if data.left_out else {}
+    return TrainingData(batches, data.left_out, None, skipped, {"total": sup, "kept": sup})
 
 
 def _pad_id(tokenizer) -> int:

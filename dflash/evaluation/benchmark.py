@@ -11,7 +11,7 @@ benchmark resumes there): tau = z-lab's mean over generations (one per prompt an
 acceptance length; tau_pooled = accepted tokens / verify cycles; the acceptance histogram acc_hist_<k> and
 per-position acceptance acc_pos_<k>; tok_s and tok_s_target_only (decode, same process) and speedup;
 tau_lookup (prompt lookup, z-lab's mean); lossless (temperature 0: every output equals target-only greedy);
-degenerate (share of the generations that end in a loop of a short pattern, dflash/repetition.py);
+degenerate (share of the generations that end in a loop of a short pattern, dflash/core/repetition.py);
 num_prompts and num_generations. `generations` holds each one's prompt token ids, output tokens and acceptance
 lengths, so `replay` can repeat them. `drafter` names the drafter a result is of: its training step (when known)
 and the sha256 of its weights; a result is reused only for the same weights (a resumed run's longer training is
@@ -27,14 +27,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dflash.core.hashing import weights_sha256
+from dflash.core.jsonio import read_json, write_json, write_text_atomic
+from dflash.core.repetition import degenerate_share
+from dflash.core.terminal import display
 from dflash.evaluation.decoding import CYCLE_RULE, acceptance_stats, speculative_generate
 from dflash.evaluation.evaluator import evaluate
+from dflash.evaluation.intervals import mean_tau, tau_intervals
 from dflash.evaluation.replay import TraceCache, replay_evaluate
 from dflash.evaluation.suites import ZLAB_SEED, chat_prompt, suite_prompts
-from dflash.hashing import weights_sha256
-from dflash.jsonio import read_json, write_json, write_text_atomic
-from dflash.repetition import degenerate_share
-from dflash.terminal import display
+from dflash.model.families import check_block_size
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +117,8 @@ def run_suite(
                     "accept_lengths": row["accept_lengths"],
                     "lookup_accept_lengths": row.get("baseline_accept_lengths"),
                     "decode_time_s": row.get("decode_time_s", 0.0),  # replay: nothing decoded, no speed
-                    "target_only_decode_time_s": row["target_only_decode_time_s"],
-                    "target_only_decode_tokens": row["target_only_decode_tokens"],
+                    "target_only_decode_time_s": row.get("target_only_decode_time_s", 0.0),
+                    "target_only_decode_tokens": row.get("target_only_decode_tokens", 0),
                     "matches_target_only": row.get("matches_target_only"),  # replay: None, not measured
                     "eos_id": tokenizer.eos_token_id,
                 }
@@ -142,14 +144,28 @@ def suite_metrics(generations: list[dict], block_size: int, temperature: float, 
     lookups = [g["lookup_accept_lengths"] for g in generations if g.get("lookup_accept_lengths") is not None]
     if lookups:
         metrics["tau_lookup"] = _zlab_tau(lookups)
+    metrics.update(_intervals(generations))
     if temperature <= 0 and all(g["matches_target_only"] is not None for g in generations):
         metrics["lossless"] = float(all(g["matches_target_only"] for g in generations))
     metrics["num_prompts"] = float(num_prompts)
     metrics["num_generations"] = float(len(generations))
-    # share of the generations that end in a loop of a short pattern (dflash/repetition.py); at temperature 0
+    # share of the generations that end in a loop of a short pattern (dflash/core/repetition.py); at temperature 0
     # they are the target's own greedy answers
     metrics["degenerate"] = degenerate_share([g["tokens"] for g in generations], _stop(generations))
     return metrics
+
+
+def _intervals(generations: list[dict]) -> dict[str, float]:
+    """95% intervals of tau and of tau minus prompt lookup's (paired), resampling conversations: a conversation's
+    turns stay together (dflash/evaluation/intervals.py)."""
+    by_conversation: dict = {}
+    for i, g in enumerate(generations):  # a generation of no recorded conversation is its own unit
+        by_conversation.setdefault(g.get("conversation", ("generation", i)), []).append(g)
+    units = list(by_conversation.values())
+    drafter = [[g["accept_lengths"] for g in unit] for unit in units]
+    has_lookup = all(g.get("lookup_accept_lengths") is not None for g in generations)
+    lookup = [[g["lookup_accept_lengths"] for g in unit] for unit in units] if has_lookup else None
+    return tau_intervals(drafter, lookup, tau=mean_tau)
 
 
 def _stop(generations: list[dict]) -> tuple[int, ...]:
@@ -180,12 +196,13 @@ def run_benchmarks(
     """Every suite at every temperature; benchmarks.json (after each) and benchmarks.md in `out_dir`. A result
     already in benchmarks.json with the same settings and of the same drafter weights is kept, not repeated
     (resume after an interruption); results of other weights are dropped. `step`: the drafter's training step."""
-    from dflash.rundir import package_versions
+    from dflash.core.rundir import package_versions
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / BENCH_FILE
     block_size = int(block_size or drafter.block_size)
+    check_block_size(drafter, block_size)  # before any suite is read or decoded
     common = dict(
         thinking=thinking,
         max_samples=max_samples,
@@ -289,7 +306,8 @@ def markdown_table(data: dict) -> str:
     results = data.get("results", {})
     suites = list(dict.fromkeys(r["settings"]["suite"] for r in results.values()))
     temps = sorted({r["settings"]["temperature"] for r in results.values()})
-    head = ["suite"] + [c for t in temps for c in (f"τ (T={t:g})", f"speedup (T={t:g})")] + ["prompts"]
+    head = ["suite"] + [c for t in temps for c in (f"τ (T={t:g})", f"speedup (T={t:g})")]
+    head += ["τ - lookup (T=0, 95%)", "prompts"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
     for s in suites:
         cells, n = [s], ""
@@ -297,8 +315,17 @@ def markdown_table(data: dict) -> str:
             m = results.get(result_key(s, t), {}).get("metrics")
             cells += [_num(m["tau"]), _num(m["speedup"], "×")] if m else ["", ""]
             n = str(int(m["num_prompts"])) if m else n
-        lines.append("| " + " | ".join(cells + [n]) + " |")
+        lines.append("| " + " | ".join(cells + [_versus_lookup(results.get(result_key(s, 0.0), {})), n]) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _versus_lookup(result: dict) -> str:
+    """tau minus prompt lookup's, paired, with its 95% interval (blank without lookup or an interval)."""
+    m = result.get("metrics") or {}
+    if "tau_minus_lookup" not in m:
+        return ""
+    lo, hi = m.get("tau_minus_lookup_ci95_low", math.nan), m.get("tau_minus_lookup_ci95_high", math.nan)
+    return f"{m['tau_minus_lookup']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
 
 
 def replay(target, drafter, data: dict, key: str) -> list[list[int]]:

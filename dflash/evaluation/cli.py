@@ -18,12 +18,12 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from dflash.config import DTYPE_NAMES, DataConfig, EvalConfig
+from dflash.core.config import DTYPE_NAMES, DataConfig, EvalConfig
+from dflash.core.rundir import CONFIG_FILE, RunDir, write_eval_json
 from dflash.data.prompts import read_prompts_file
 from dflash.evaluation.decoding import module_dtype
 from dflash.evaluation.evaluator import choose_prompts, evaluate, untrained_like
 from dflash.model.drafter import DFlashDraftModel
-from dflash.rundir import CONFIG_FILE, RunDir, write_eval_json
 
 log = logging.getLogger(__name__)
 
@@ -181,8 +181,9 @@ def _print_table(metrics: dict[str, Any], title: str) -> None:
 def _run_cli(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash.distributed import resolve_device
+    from dflash.core.distributed import resolve_device
     from dflash.model.export import check_drafter_against
+    from dflash.model.families import check_block_size
     from dflash.model.families.speculators_layout import is_speculators_dir, load_speculators
     from dflash.model.target import DTYPES, check_target_exists
 
@@ -196,6 +197,8 @@ def _run_cli(args: argparse.Namespace) -> dict[str, Any]:
         drafter = DFlashDraftModel.from_pretrained(
             str(inputs.drafter_dir), **({} if args.dtype == "auto" else {"dtype": DTYPES[args.dtype]})
         )
+    if args.block_size:  # before the target loads: a block size the family cannot run is refused at once
+        check_block_size(drafter, args.block_size)
     drafter = drafter.to(device).eval()
     dtype = module_dtype(drafter)
     target = AutoModelForCausalLM.from_pretrained(inputs.target, dtype=dtype).to(device).eval()

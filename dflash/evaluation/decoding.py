@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from dflash import interrupts
+from dflash.core import interrupts
 from dflash.model.drafter import DFlashDraftModel, DraftKVCache
 
 EosIds = int | Sequence[int] | None

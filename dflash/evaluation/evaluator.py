@@ -15,10 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash import interrupts
+from dflash.core import interrupts
+from dflash.core.distributed import World
+from dflash.core.repetition import degenerate_share, is_degenerate
+from dflash.core.rundir import RunDir
+from dflash.core.terminal import display
 from dflash.data.chat_dataset import ChatData
 from dflash.data.prompts import heldout_prompts, read_prompts_file
-from dflash.distributed import World
 from dflash.evaluation.calibration import confidence_calibration
 from dflash.evaluation.decoding import (
     EosIds,
@@ -30,13 +33,12 @@ from dflash.evaluation.decoding import (
     prompt_lookup_generate,
     speculative_generate,
 )
+from dflash.evaluation.intervals import tau_intervals
 from dflash.evaluation.replay import TraceCache, replay_evaluate, target_identity
 from dflash.evaluation.sim_tau import sim_tau_metrics
 from dflash.model.build import init_drafter
 from dflash.model.drafter import DFlashDraftModel
-from dflash.repetition import degenerate_share, is_degenerate
-from dflash.rundir import RunDir
-from dflash.terminal import display
+from dflash.model.families import check_block_size
 from dflash.train.parallelize import frozen_copy, full_state_dict
 
 log = logging.getLogger(__name__)
@@ -111,7 +113,7 @@ def evaluate(
     only: 1.0 if every DFlash output equals the target-only output), eval/tau_baseline and eval/speedup_baseline
     (prompt lookup, if `baselines`), eval/tau_untrained (if `untrained_drafter`), eval/num_prompts,
     eval/new_tokens, eval/time_s, eval/degenerate_target_only (share of the target's own outputs that end in a loop of a
-    short pattern: dflash/repetition.py); plus `details` (per prompt: prompt length, tokens, accept lengths)
+    short pattern: dflash/core/repetition.py); plus `details` (per prompt: prompt length, tokens, accept lengths)
     for eval.json.
 
     block_size: None = the drafter's. eos_id: stop token(s); None = always generate max_new_tokens.
@@ -124,8 +126,7 @@ def evaluate(
     if not prompts:
         raise ValueError("evaluate: no prompts (eval.num_prompts = 0 or an empty prompts file)")
     block_size = int(block_size or drafter.block_size)
-    if block_size < 2:
-        raise ValueError(f"block_size={block_size} must be >= 2 to evaluate a drafter")
+    check_block_size(drafter, block_size)  # >= 2, and one the family can run (DFlash2: its training block only)
     model = hf_model(target_model)
     device = module_device(model)
     drafters = [d for d in (drafter, untrained_drafter) if d is not None]
@@ -187,6 +188,9 @@ def evaluate(
         metrics["eval/speedup_baseline"] = _tok_s(lookup) / tok_s_target if tok_s_target > 0 else float("nan")
     if untrained is not None:
         metrics["eval/tau_untrained"] = acceptance_stats([r.accept_lengths for r in untrained], block_size)["tau"]
+    # 95% intervals over prompts (dflash/evaluation/intervals.py): tau, and tau minus prompt lookup's, paired
+    lookup_units = None if lookup is None else [[r.accept_lengths] for r in lookup]
+    metrics.update(tau_intervals([[r.accept_lengths] for r in dflash], lookup_units, prefix="eval/"))
     metrics["eval/num_prompts"] = len(prompts)
     metrics["eval/new_tokens"] = sum(len(r.tokens) for r in dflash)
     # of the target's own answers (what the drafter is asked to match), not the drafter's

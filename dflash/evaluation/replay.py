@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dflash.evaluation.decoding import EosIds, hf_model, lookup_draft, speculative_generate
+from dflash.evaluation.intervals import tau_intervals
 from dflash.evaluation.sim_tau import drafted_lengths, target_pass
 from dflash.model.drafter import DFlashDraftModel
 
@@ -51,7 +52,9 @@ class Trace:
     continuation: list[int]  # greedy tokens after the prompt, max_new_tokens + block_size of them (no stop)
     target_next: torch.Tensor  # (S,) the one-forward argmax after each position of prompt + continuation
     features: torch.Tensor  # (S, n_feat * H) the drafter's context features of every position
-    decode_time_s: float  # the greedy decode of the continuation (the target-only speed)
+    # the greedy decode's seconds, on whichever machine made the trace, stop token and all: cached, never reported
+    # (a replayed job decodes nothing, so it has no speed of its own; eval.replay reports none)
+    decode_time_s: float
 
     @property
     def ties(self) -> int:
@@ -191,12 +194,12 @@ def replay_evaluate(
     untrained_drafter: DFlashDraftModel | None = None,
 ) -> dict:
     """evaluate()'s tau metrics by replay: eval/tau (and its acceptance statistics), eval/tau_baseline (prompt
-    lookup), eval/tau_untrained, eval/tok_s_target_only (from the traces' decodes), eval/replay_ties, a confidence
-    head's calibration (eval/conf_*, from its predictions at the cycles visited); `details` per prompt (tokens,
-    accept lengths). No drafter speed and no losslessness: nothing is decoded."""
+    lookup), eval/tau_untrained, eval/replay_ties, a confidence head's calibration (eval/conf_*, from its
+    predictions at the cycles visited); `details` per prompt (tokens, accept lengths). No speed and no
+    losslessness: nothing is decoded (the traces' decode times are another job's, maybe another machine's)."""
+    from dflash.core.terminal import display
     from dflash.evaluation.calibration import confidence_calibration
     from dflash.evaluation.decoding import _eos_set, acceptance_stats
-    from dflash.terminal import display
 
     eos = _eos_set(eos_id)
     drafters = [d for d in (drafter, untrained_drafter) if d is not None]
@@ -214,9 +217,7 @@ def replay_evaluate(
                                          confidences=predicted)  # fmt: skip
                 confidences.append(predicted)
                 row = {"prompt_len": len(prompt), "tokens": output_tokens(trace, max_new_tokens, eos),
-                       "accept_lengths": lengths,
-                       "ties": trace.ties, "target_only_decode_time_s": trace.decode_time_s,
-                       "target_only_decode_tokens": len(trace.continuation) - 1}  # fmt: skip
+                       "accept_lengths": lengths, "ties": trace.ties}  # fmt: skip
                 if baselines:
                     row["baseline_accept_lengths"] = replay_lookup(trace, max_new_tokens, block_size, ngram, eos)
                 if untrained_drafter is not None:
@@ -237,8 +238,8 @@ def replay_evaluate(
     if untrained_drafter is not None:
         untrained = [r["untrained_accept_lengths"] for r in rows]
         metrics["eval/tau_untrained"] = acceptance_stats(untrained, block_size)["tau"]
-    seconds = sum(r["target_only_decode_time_s"] for r in rows)
-    metrics["eval/tok_s_target_only"] = sum(r["target_only_decode_tokens"] for r in rows) / seconds if seconds else 0.0
+    lookup_units = [[r["baseline_accept_lengths"]] for r in rows] if baselines else None
+    metrics.update(tau_intervals([[r["accept_lengths"]] for r in rows], lookup_units, prefix="eval/"))  # 95%, paired
     metrics["eval/replay_ties"] = float(sum(r["ties"] for r in rows))
     metrics["eval/num_prompts"] = len(prompts)
     metrics["eval/new_tokens"] = sum(len(r["tokens"]) for r in rows)

@@ -218,7 +218,7 @@ def load_rows(suite: Suite, cache_dir: str | Path | None = None) -> tuple[list[d
             f"{local or '<paths.cache_dir>/bench/'}"
         ) from None
     if local is not None:
-        from dflash.jsonio import write_text_atomic
+        from dflash.core.jsonio import write_text_atomic
 
         local.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(local, "".join(json.dumps(r, default=str) + "\n" for r in rows))

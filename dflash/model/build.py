@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from dflash.config import ConfigError
+from dflash.core.config import ConfigError
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.families import drafter_class
 

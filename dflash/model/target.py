@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash.config import DTYPE_NAMES
-from dflash.distributed import resolve_device
+from dflash.core.config import DTYPE_NAMES
+from dflash.core.distributed import resolve_device
 
 log = logging.getLogger(__name__)
 

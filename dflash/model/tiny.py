@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from dflash import interrupts
+from dflash.core import interrupts
 from dflash.data.batches import pack
 from dflash.data.corpus import (
     DEFAULT_HOLDOUT,
@@ -107,7 +107,7 @@ def heldout_loss(model, windows: torch.Tensor, batch_size: int = 16, max_windows
 
 def pretrain(model, train_ids: torch.Tensor, b) -> list[dict]:
     """Causal-LM pretraining on random windows; cosine lr; returns a loss log."""
-    from dflash.terminal import display
+    from dflash.core.terminal import display
 
     g = torch.Generator().manual_seed(b.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=b.pretrain_lr, betas=(0.9, 0.95), weight_decay=0.1)

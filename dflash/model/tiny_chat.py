@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.core.repetition import degenerate_share
 from dflash.data.batches import pack
 from dflash.data.chat import first_user, parse_line, record_messages
 from dflash.data.corpus import BadRecordError, Document
+from dflash.data.generate import generate_continuations
 from dflash.data.records import iter_raw_records
-from dflash.model.generate import generate_continuations
-from dflash.repetition import degenerate_share
 
 log = logging.getLogger(__name__)
 
@@ -57,24 +57,31 @@ def first_exchange(messages: list[dict]) -> list[dict]:
     return [{"role": m["role"], "content": _cut(m["content"])} for m in messages[u : u + 2]]
 
 
-def sharegpt_exchanges(first: int, count: int, path=None, last: int = CHAT_LAST_RECORD) -> list[list[dict]]:
-    """`count` first exchanges of usable records from record `first` (from 1) on, none past record `last`; bad
-    records are passed over."""
-    out: list[list[dict]] = []
+def exchanges_by_record(first: int = 1, path=None):
+    """(record number from 1, its first exchange, or None for a bad or text record) of every record from `first`."""
     rows = itertools.islice(iter_raw_records(path or sharegpt_path()), first - 1, None)
     for n, (where, raw, error) in enumerate(rows, start=first):
-        if len(out) == count:
-            break
-        if n > last:
-            raise ValueError(f"{count} usable ShareGPT conversations from record {first} reach past record {last}")
         if error:
+            yield n, None
             continue
         try:
             messages = record_messages(parse_line(raw, where), where)
         except BadRecordError:
-            continue
-        if messages:  # None: a text record (not in ShareGPT's file)
-            out.append(first_exchange(messages))
+            messages = None
+        yield n, first_exchange(messages) if messages else None  # None: a text record (not in ShareGPT's file)
+
+
+def sharegpt_exchanges(first: int, count: int, path=None, last: int = CHAT_LAST_RECORD) -> list[list[dict]]:
+    """`count` first exchanges of usable records from record `first` (from 1) on, none past record `last`; bad
+    records are passed over."""
+    out: list[list[dict]] = []
+    for n, exchange in exchanges_by_record(first, path):
+        if len(out) == count:
+            break
+        if n > last:
+            raise ValueError(f"{count} usable ShareGPT conversations from record {first} reach past record {last}")
+        if exchange is not None:
+            out.append(exchange)
     return out
 
 

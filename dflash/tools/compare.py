@@ -1,7 +1,7 @@
 """Compare runs by their output directories: the keys that vary, filters, sorting, tables, diffs (seed groups:
 `dflash.tools.seed_groups`).
 
-Runs are read by `dflash.rundir.find_runs`; this module decides what to show. Library use:
+Runs are read by `dflash.core.rundir.find_runs`; this module decides what to show. Library use:
 
     runs = find_runs(["outputs/multirun"])
     columns, rows = compare_table(runs, ["eval/tau", "train/loss"])
@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dflash.jsonio import is_number, json_safe
-from dflash.rundir import Run
+from dflash.core.jsonio import is_number, json_safe
+from dflash.core.rundir import Run
 
 DEFAULT_METRICS = ("eval/tau", "train/avg_streak", "train/loss", "perf/ktok_s")
 

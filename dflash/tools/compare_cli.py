@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dflash.jsonio import is_number
-from dflash.rundir import CONFIG_FILE, Run, find_runs, load_run
+from dflash.core.jsonio import is_number
+from dflash.core.rundir import CONFIG_FILE, Run, find_runs, load_run
 from dflash.tools.compare import (
     DEFAULT_IGNORE,
     DEFAULT_METRICS,
@@ -38,6 +38,7 @@ from dflash.tools.compare import (
     sort_items,
     varying_keys,
 )
+from dflash.tools.learning_curve import plot_curves, projection_table, projections
 from dflash.tools.rank_corr import rank_corr_table
 from dflash.tools.seed_groups import group_ci95, group_mean, group_runs, group_table, lower_is_better
 
@@ -269,6 +270,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="Spearman's rank correlation of each estimate with each real metric, over the runs' final values "
         "and over every eval record (e.g. eval/sim_tau_greedy,train/avg_streak:eval/tau,bench/humaneval/tau)",
     )
+    p.add_argument(
+        "--curve",
+        metavar="OUT.png",
+        help="tau per suite against supervised tokens and CPU-hours, a line per recipe (runs equal up to budget and "
+        "seed), prompt lookup as a horizontal line (dflash/tools/learning_curve.py)",
+    )
+    p.add_argument(
+        "--curve-recipe",
+        metavar="KEY[,KEY]",
+        help="--curve: the config keys that name a recipe (default: all that vary)",
+    )
     p.add_argument("--plot-metric", default="train/loss", help="metric to plot (default: train/loss)")
     p.add_argument("--plot-x", default="step", choices=("step", "tokens", "time_s"), help="x axis of --plot")
     return p
@@ -304,6 +316,12 @@ def run_cli(args: argparse.Namespace) -> str:
         check_keys([*_split(est), *_split(real)], runs, "--rank-corr")
         columns, rows = rank_corr_table(runs, _split(est), _split(real))
         return render(columns, rows, args.format, title=f"Spearman's rho over {len(runs)} runs")
+    if args.curve:
+        keys = _split(args.curve_recipe) if args.curve_recipe else None
+        if keys:
+            check_keys(keys, runs, "--curve-recipe")
+        log.info("wrote %s", plot_curves(runs, args.curve, keys))
+        print(projection_table(projections(runs, keys)))  # how far each recipe's line is from prompt lookup
     if args.plot and not args.group_by:
         path = plot_runs(runs, args.plot_metric, args.plot, args.plot_x, args.ignore)
         log.info("wrote %s", path)

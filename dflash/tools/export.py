@@ -8,8 +8,10 @@ import logging
 import sys
 from pathlib import Path
 
-from dflash.config import DTYPE_NAMES
+from dflash.core.config import DTYPE_NAMES
+from dflash.core.rundir import CONFIG_FILE
 from dflash.model.export import export_drafter
+from dflash.model.model_card import write_model_card
 from dflash.model.target import DTYPES
 from dflash.train.checkpointer import load_drafter_from_source
 
@@ -32,8 +34,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dtype = DTYPES[args.dtype] if args.dtype else None
     out = export_drafter(drafter, Path(args.out), dtype=dtype, target=target)
+    run_dir = _run_dir_of(Path(args.source))
+    if run_dir is not None:  # the run's evidence goes with its drafter
+        print(f"model card: {write_model_card(run_dir, out)}")
     print(f"exported drafter to {out}")
     return 0
+
+
+def _run_dir_of(source: Path) -> Path | None:
+    """The run directory a source belongs to: itself, or the run of a checkpoint (RUN/checkpoints/step_N)."""
+    for candidate in (source, source.parent.parent):
+        if (candidate / CONFIG_FILE).is_file():
+            return candidate
+    return None
 
 
 if __name__ == "__main__":

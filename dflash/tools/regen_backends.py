@@ -1,6 +1,7 @@
 """Who writes the new assistant turns: the target in this process (`hf`) or any OpenAI-compatible server
 (`openai`: vLLM, SGLang, `transformers serve`). A backend maps a batch of conversations (each ending before
-an assistant turn) to a reply per conversation, or the exception that request ended with."""
+an assistant turn) to a reply per conversation, or the exception that request ended with. A reply cut at
+max_new_tokens (the target did not end its turn) is a `Reply` with `cut` set."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+
+from dflash.data.chat import plain
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +27,17 @@ class TemplateRejects(ReplyFailed):
 
 class EmptyReply(ReplyFailed):
     reason = "empty_reply"
+
+
+class Reply(str):
+    """A reply's text; `cut`: generation stopped at max_new_tokens, not at the target's end of turn."""
+
+    cut: bool = False
+
+    def __new__(cls, text: str, cut: bool = False):
+        reply = super().__new__(cls, text)
+        reply.cut = cut
+        return reply
 
 
 class ServerUnreachable(RuntimeError):
@@ -48,7 +62,7 @@ class GenerationSettings:
 def generation_dtype(dtype: str, device_type: str, cpu_flags: set[str] | None = None) -> str:
     """auto: bfloat16, but float32 on a CPU without fast bfloat16 kernels (there bf16 is many times slower);
     a 16-bit dtype asked for on such a CPU is used as asked, with a warning."""
-    from dflash.machine import slow_cpu_dtype
+    from dflash.core.machine import slow_cpu_dtype
 
     if dtype == "auto":
         return "float32" if device_type == "cpu" and slow_cpu_dtype("bfloat16", cpu_flags) else "bfloat16"
@@ -64,8 +78,8 @@ class HFBackend:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from dflash.core.distributed import resolve_device
         from dflash.data.chat import end_of_turn_marker
-        from dflash.distributed import resolve_device
 
         self.settings = settings
         self.tokenizer = AutoTokenizer.from_pretrained(target)
@@ -90,7 +104,7 @@ class HFBackend:
     def complete(self, conversations: list[list[dict]]) -> list[str | BaseException]:
         import torch
 
-        from dflash.model.generate import generate_continuations
+        from dflash.data.generate import generate_continuations
 
         s = self.settings
         replies: list[str | BaseException] = [ValueError("not generated")] * len(conversations)
@@ -98,7 +112,7 @@ class HFBackend:
         for i, c in enumerate(conversations):
             try:
                 prompt = self.tokenizer.apply_chat_template(
-                    c, tokenize=False, add_generation_prompt=True, **s.chat_template_kwargs()
+                    plain(c), tokenize=False, add_generation_prompt=True, **s.chat_template_kwargs()
                 )
             except Exception as e:  # noqa: BLE001 - the template rejects this conversation: its failure alone
                 replies[i] = TemplateRejects(f"the chat template rejects the conversation ({e})")
@@ -110,10 +124,11 @@ class HFBackend:
         torch.manual_seed(s.seed)
         outs = generate_continuations(self.model, ids, s.max_new_tokens, s.temperature, self.stop_ids, self.pad_id)
         for i, out in zip(asked, outs):
-            if out and out[-1] in self.stop_ids:
+            ended = bool(out) and out[-1] in self.stop_ids
+            if ended:
                 out = out[:-1]  # the end-of-turn token is the template's, not the content's
             text = self.tokenizer.decode(out, skip_special_tokens=False)
-            replies[i] = text if text.strip() else EmptyReply("the target's reply is empty")
+            replies[i] = Reply(text, cut=not ended) if text.strip() else EmptyReply("the target's reply is empty")
         return replies
 
 
@@ -167,20 +182,21 @@ class OpenAIBackend:
         extra = {"chat_template_kwargs": s.chat_template_kwargs()} if s.chat_template_kwargs() else None
         response = self.client.chat.completions.create(
             model=self.name,
-            messages=conversation,
+            messages=plain(conversation),
             max_tokens=s.max_new_tokens,
             temperature=s.temperature,
             seed=s.seed,
             extra_body=extra,
         )
-        message = response.choices[0].message
+        choice = response.choices[0]
+        message = choice.message
         content = message.content or ""
         reasoning = getattr(message, "reasoning_content", None) or (message.model_extra or {}).get("reasoning_content")
         if reasoning:  # servers with a reasoning parser return the think block apart from the answer
             content = f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}"
         if not content.strip():
             raise EmptyReply("the server returned an empty reply")
-        return content
+        return Reply(content, cut=choice.finish_reason == "length")
 
     def complete(self, conversations: list[list[dict]]) -> list[str | BaseException]:
         def safe(c):

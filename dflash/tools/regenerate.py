@@ -4,7 +4,8 @@ target's own answers).
 
 IN: JSONL or a .json array, as `data=jsonl` reads it (`messages`, ShareGPT `conversations`, normalised as for
 training; `text` records are copied as they are; assistant turns before the first user turn are kept as they
-are, as context). OUT: `{"messages": [...], "source_index": i}` per record, a file `data=jsonl` reads directly.
+are, as context). OUT: `{"messages": [...], "source_index": i}` per record, a file `data=jsonl` reads directly;
+an answer cut at --max-new-tokens (not ended by the target) carries `"finish_reason": "length"`.
 Resumable: records already in OUT are skipped, so a rerun after a crash (or after failures) does only the
 rest; once every record is done, OUT is put in IN's order. Records are done in chunks, turn by turn across
 the chunk (turn k of every record in one batch for `hf`, or concurrent requests for `openai`). A record that
@@ -13,7 +14,11 @@ rejects it; its request fails) is counted and listed in OUT.failures.jsonl with 
 OUT.settings.json records who answered (the backend's target files or served model, and the generation
 settings) and what: IN's path, size and content hash. A resume with another target, other settings or another
 IN (other content: a file moved elsewhere is the same IN) is refused, naming each key and both values, so one
-file never mixes two targets' answers or two inputs' records.
+file never mixes two targets' answers or two inputs' records (a built target's config.json or
+tokenizer_config.json rewritten in place by its builder, the build, weights and tokenizer the same, is the same
+target: REWRITABLE_TARGET_FILES). OUT.cost.json says what the answers in OUT cost:
+this process's CPU seconds and wall seconds while generating (summed over resumes, written after every chunk;
+the openai backend's server's time is not in it) and how many answers they made.
 """
 
 from __future__ import annotations
@@ -27,10 +32,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash.core.disk import check_free
 from dflash.data.chat import first_user, parse_line, record_messages
 from dflash.data.corpus import BadRecordError
 from dflash.data.records import iter_raw_records, read_error_reason
-from dflash.disk import check_free
 from dflash.tools.regen_backends import ReplyFailed
 
 log = logging.getLogger("dflash.regenerate")
@@ -46,12 +51,48 @@ class Outcome:
     failed_by_reason: dict
 
 
+class SettingsMismatch(ValueError):
+    """OUT holds answers made with other settings or from another input than these: refused, naming each key."""
+
+
 def failures_path(out: Path) -> Path:
     return out.with_name(out.name + ".failures.jsonl")
 
 
 def settings_path(out: Path) -> Path:
     return out.with_name(out.name + ".settings.json")
+
+
+def cost_path(out: Path) -> Path:
+    return out.with_name(out.name + ".cost.json")
+
+
+def read_cost(out: Path) -> dict:
+    """OUT's cost so far: {"cpu_s", "wall_s", "answers"} (zeros where none was recorded: answers made before
+    costs were recorded are answers that no cost covers)."""
+    from dflash.core.jsonio import read_json
+
+    cost = read_json(cost_path(out), default=None)
+    zero = {"cpu_s": 0.0, "wall_s": 0.0, "answers": 0}
+    return {**zero, **cost} if isinstance(cost, dict) else zero
+
+
+class CostMeter:
+    """Adds this process's CPU and wall seconds since it was made, and the answers completed, to OUT.cost.json;
+    a fresh OUT (no answer in it yet) starts a fresh account."""
+
+    def __init__(self, out: Path, fresh: bool):
+        self.out = out
+        self.base = {"cpu_s": 0.0, "wall_s": 0.0, "answers": 0} if fresh else read_cost(out)
+        self.cpu0, self.wall0 = time.process_time(), time.monotonic()
+
+    def record(self, answers: int) -> None:
+        cost = {
+            "cpu_s": round(self.base["cpu_s"] + time.process_time() - self.cpu0, 3),
+            "wall_s": round(self.base["wall_s"] + time.monotonic() - self.wall0, 3),
+            "answers": self.base["answers"] + answers,
+        }
+        _atomic_write(cost_path(self.out), json.dumps(cost, indent=2).encode() + b"\n")
 
 
 def input_identity(path: Path) -> dict:
@@ -62,10 +103,28 @@ def input_identity(path: Path) -> dict:
     return {"path": str(path.resolve()), "bytes": path.stat().st_size, "sha256": file_hash(path)}
 
 
+# a built or converted target's JSON files that its builder may rewrite in place without changing what the target
+# computes (model/gguf_target.py makes a cached conversion's config.json and tokenizer_config.json a plain
+# checkpoint's: the same RoPE in both forms, a tokenizer class older readers know)
+REWRITABLE_TARGET_FILES = frozenset({"config.json", "tokenizer_config.json", "generation_config.json"})
+
+
 def _same(key: str, before, now) -> bool:
     if key == "input" and isinstance(before, dict) and isinstance(now, dict):  # the content decides, not where
         return {k: v for k, v in before.items() if k != "path"} == {k: v for k, v in now.items() if k != "path"}
+    if key == "target_files" and isinstance(before, dict) and isinstance(now, dict):
+        return _same_build(before, now)
     return before == now
+
+
+def _same_build(before: dict, now: dict) -> bool:
+    """The same target: every file hashes the same, or only its rewritable JSON files differ and it is the same
+    build (build_info.json, which records what it was built or converted from) with the same weights and
+    tokenizer. A target without build_info.json (a hub model, your folder) must match file for file."""
+    if before == now:
+        return True
+    differ = {k for k in set(before) | set(now) if before.get(k) != now.get(k)}
+    return "build_info.json" in before and differ <= REWRITABLE_TARGET_FILES
 
 
 def _shown(key: str, value) -> str:
@@ -91,10 +150,18 @@ def check_same_settings(out: Path, settings: dict, done: int, inputs=None) -> No
             log.info("%s: its %d answers ask what the new input's records ask: kept (the input grew)", out, done)
         elif differ:
             shown = [f"{k}: OUT {_shown(k, before.get(k))} vs now {_shown(k, settings.get(k))}" for k in differ]
-            raise ValueError(
+            raise SettingsMismatch(
                 f"{out} holds {done} answers made with other settings ({'; '.join(shown)}): "
                 "remove it (and its .settings.json) or write to another OUT"
             )
+        if before.get("target_files") != settings.get("target_files"):
+            rewritten = sorted(
+                k for k in settings["target_files"] if before["target_files"].get(k) != settings["target_files"][k]
+            )
+            log.warning(
+                "%s: the target's %s changed since its %d answers were made, its build, weights and tokenizer did "
+                "not (rewritten in place by its builder): the answers are kept", out, ", ".join(rewritten), done,
+            )  # fmt: skip
     elif done:
         log.warning("%s: %d answers and no %s (an older version wrote it): resuming unchecked", out, done, path.name)
     _atomic_write(path, json.dumps(settings, indent=2, sort_keys=True).encode() + b"\n")
@@ -194,7 +261,9 @@ def regenerate_record_turns(backend, records: list[dict]) -> list[dict | BaseExc
             if isinstance(reply, BaseException):
                 results[i] = reply
             else:
-                new[i].append({"role": "assistant", "content": reply})
+                # a reply cut at max_new_tokens says so: training leaves the end of turn the template adds unsupervised
+                cut = {"finish_reason": "length"} if getattr(reply, "cut", False) else {}
+                new[i].append({"role": "assistant", "content": str(reply), **cut})
                 pos[i] += 1
     for i, r in enumerate(records):
         if convs[i] is None:  # a text record: nothing to regenerate
@@ -203,7 +272,7 @@ def regenerate_record_turns(backend, records: list[dict]) -> list[dict | BaseExc
 
 
 def regenerate_file(in_path: Path, out: Path, backend, chunk_size: int) -> Outcome:
-    from dflash.terminal import display
+    from dflash.core.terminal import display
 
     inputs = read_inputs(in_path)
     done = done_indices(out)
@@ -222,6 +291,7 @@ def regenerate_file(in_path: Path, out: Path, backend, chunk_size: int) -> Outco
     share = len(todo) / max(len(inputs), 1)
     check_free(out.parent, int(Path(in_path).stat().st_size * share), "the regenerated data")
     check_same_settings(out, {**backend.identity(), "input": input_identity(in_path)}, len(done), inputs)
+    meter = CostMeter(out, fresh=not done)
     with open(out, "ab") as sink, display().phase("regenerate", len(todo)) as phase:
         for start in range(0, len(todo), chunk_size):
             chunk = todo[start : start + chunk_size]
@@ -238,6 +308,7 @@ def regenerate_file(in_path: Path, out: Path, backend, chunk_size: int) -> Outco
             sink.flush()
             os.fsync(sink.fileno())  # a chunk is on disk before the next starts: a crash loses one chunk at most
             completed += len(lines)
+            meter.record(completed)
             rate = (start + len(chunk)) / max(time.monotonic() - t0, 1e-9)
             phase.advance(len(chunk), info=f"{rate:.1f} records/s, {len(failures)} failed")
     _write_failures(out, failures)
@@ -322,7 +393,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from dflash.terminal import install_logging
+    from dflash.core.terminal import install_logging
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

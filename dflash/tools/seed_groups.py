@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dflash.jsonio import is_number
-from dflash.rundir import Run
+from dflash.core.jsonio import is_number
+from dflash.core.rundir import Run
 from dflash.tools.compare import DEFAULT_IGNORE, DEFAULT_METRICS, DEFAULT_SEED_KEY, as_text, canon, varying_keys
 
 

@@ -34,7 +34,7 @@ class Target:
     def model_config(self):
         from omegaconf import OmegaConf
 
-        from dflash.config import ModelConfig
+        from dflash.core.config import ModelConfig
 
         return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(CONF_MODEL / f"{self.preset}.yaml"))
 

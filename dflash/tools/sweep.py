@@ -49,9 +49,9 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from dflash.jsonio import read_json, write_json
-from dflash.rundir import CONFIG_FILE, STATUS_FILE, Run, find_runs, flatten
-from dflash.secrets import redact_url_credentials, scrub_arguments, scrub_text
+from dflash.core.jsonio import read_json, write_json
+from dflash.core.rundir import CONFIG_FILE, STATUS_FILE, Run, find_runs, flatten
+from dflash.core.secrets import redact_url_credentials, scrub_arguments, scrub_text
 from dflash.tools.compare import DEFAULT_METRICS, compare_table, varying_keys
 from dflash.tools.compare_cli import render
 

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
-from dflash.rundir import END_STATUSES
+from dflash.core.rundir import END_STATUSES
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
-from dflash.jsonio import to_python
-from dflash.terminal import Display
-from dflash.terminal import display as default_display
+from dflash.core.jsonio import to_python
+from dflash.core.terminal import Display
+from dflash.core.terminal import display as default_display
 from dflash.tracking.base import Callback, RunInfo
 
 log = logging.getLogger(__name__)

@@ -7,8 +7,8 @@ import threading
 from pathlib import Path
 from typing import TextIO
 
-from dflash.jsonio import json_safe
-from dflash.rundir import METRICS_FILE
+from dflash.core.jsonio import json_safe
+from dflash.core.rundir import METRICS_FILE
 from dflash.tracking.base import Callback, RunInfo
 
 

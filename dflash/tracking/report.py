@@ -17,8 +17,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dflash.jsonio import is_number
-from dflash.rundir import Run, load_run, read_eval_json
+from dflash.core.jsonio import is_number
+from dflash.core.rundir import Run, load_run, read_eval_json
 
 PANELS = (
     "Training loss (log scale)",

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from dflash.jsonio import to_python
-from dflash.secrets import redact, scrub
+from dflash.core.jsonio import to_python
+from dflash.core.secrets import redact, scrub
 from dflash.tracking.base import Callback, RunInfo
 from dflash.tracking.wandb_media import MEDIA, bench_rows, build_media
 
@@ -104,7 +104,7 @@ def wandb_init_kwargs(
         },
     }
     if redact(list(sys.argv)) != list(sys.argv):
-        # W&B records sys.argv as the run's command; launch.py's jobs have it redacted (dflash.secrets.
+        # W&B records sys.argv as the run's command; launch.py's jobs have it redacted (dflash.core.secrets.
         # CommandLineSecrets), another caller may not: then W&B records no system metadata at all
         kwargs["settings"]["x_disable_meta"] = True
     if info.wandb_run_id:

@@ -4,7 +4,7 @@ temperature, and a bar chart of their tau)."""
 
 from __future__ import annotations
 
-from dflash.rundir import BENCH_COLUMNS
+from dflash.core.rundir import BENCH_COLUMNS
 
 MEDIA = "__media__"  # the key of a queued record that build_media turns into W&B objects
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash.disk import remove_partial
-from dflash.hashing import file_sha256
-from dflash.jsonio import read_json
-from dflash.rundir import RunDir
+from dflash.core.disk import remove_partial
+from dflash.core.hashing import file_sha256
+from dflash.core.jsonio import read_json
+from dflash.core.rundir import RunDir
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from dflash.disk import remove_partial
-from dflash.distributed import World
+from dflash.core.disk import remove_partial
+from dflash.core.distributed import World
 from dflash.train.checkpoint import (
     DCP_FORMAT,
     STATE,

@@ -7,10 +7,10 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from dflash.config import ConfigError
-from dflash.disk import DiskFull, check_free, dir_bytes, remove_partial
-from dflash.distributed import World
-from dflash.rundir import RunDir
+from dflash.core.config import ConfigError
+from dflash.core.disk import DiskFull, check_free, dir_bytes, remove_partial
+from dflash.core.distributed import World
+from dflash.core.rundir import RunDir
 from dflash.train.checkpoint import (
     META,
     CheckpointCorrupt,

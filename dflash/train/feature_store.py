@@ -37,10 +37,10 @@ from pathlib import Path
 
 import torch
 
+from dflash.core.disk import remove_partial
+from dflash.core.hashing import file_sha256
+from dflash.core.jsonio import read_json, write_json
 from dflash.data.batches import Batch, rank_slice
-from dflash.disk import remove_partial
-from dflash.hashing import file_sha256
-from dflash.jsonio import read_json, write_json
 from dflash.train.feature_codec import bytes_per_value, decode, encode, scale_bytes
 from dflash.train.trainer import HiddenItem
 
@@ -309,7 +309,7 @@ def manifest_for(cfg, layer_ids: list[int], data_fingerprint: dict | None) -> di
     """What a run's features are of: the store it may read must say the same (num_batches aside)."""
     from omegaconf import OmegaConf
 
-    from dflash.config import data_seed
+    from dflash.core.config import data_seed
     from dflash.data.chat_dataset import RENDER_VERSION
     from dflash.data.fingerprint import TOKENIZER_FILES, hashed_files, hub_entry, target_hashes
     from dflash.model.target import TARGET_ATTENTION

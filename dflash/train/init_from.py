@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from dflash.config import ConfigError
-from dflash.hashing import weights_sha256
-from dflash.rundir import CONFIG_FILE, RunDir
+from dflash.core.config import ConfigError
+from dflash.core.hashing import weights_sha256
+from dflash.core.rundir import CONFIG_FILE, RunDir
 from dflash.train.checkpoint import (
     META,
     WEIGHTS,

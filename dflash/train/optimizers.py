@@ -2,15 +2,19 @@
 (torch.optim.Muon over the hidden weight matrices, AdamW over the rest), behind one `DrafterOptimizer` that the
 trainer steps, the schedule sets the learning rate of, and the checkpoints save and load.
 
-Which parameters Muon takes: Muon orthogonalises the update of a weight matrix that maps one hidden space to
-another; torch.optim.Muon accepts only 2-D parameters, and its docstring (after Keller Jordan's write-up) keeps
-embeddings, the output layer, norms and biases on AdamW. The drafter has no trainable embedding or LM head (both
-are the target's, frozen), so its input and output layers never reach the optimizer. What remains 2-D are the
-attention and MLP projections and `fc`, which projects the target's concatenated hidden states (dense features,
-not a token lookup) into the drafter's hidden size: a hidden layer in Muon's sense, and speculators' Muon split
-(its RFC #979 defaults) puts it on Muon too. RMSNorm weights (1-D) go to AdamW. `optim.muon_exclude` moves named
-matrices (e.g. `[fc]`) to AdamW, to measure the other choice. The rule itself is dflash/model/muon_split.py's, which
-the plan shares to size the optimizer state.
+Which parameters Muon takes: Muon orthogonalises the update of a weight matrix that maps one hidden space to another;
+torch.optim.Muon accepts only 2-D parameters, and its docstring (after Keller Jordan's write-up) keeps embeddings, the
+output layer, norms and biases on AdamW. The rule goes by a parameter's role, which the module owning it declares
+(dflash/model/muon_split.py), not by its rank: the DFlash drafter has no trainable embedding or LM head (both are the
+target's, frozen), but the families have tables over the vocabulary (DSpark's Markov head: `markov_w1` an embedding,
+`markov_w2` a projection onto the vocabulary; DFlash2's two token codebooks) and DSpark's confidence head is an output
+layer: all AdamW's. AdamW updates entry by entry, so a table's row that no batch looked up stays as it is (at the
+default optim.weight_decay 0); Muon's orthogonalised update mixes every row into every other, and muon_weight_decay
+shrinks them all. What Muon takes are the attention and MLP projections, the families' hidden projections and `fc`,
+which projects the target's concatenated hidden states (dense features, not a token lookup) into the drafter's hidden
+size: a hidden layer in Muon's sense, and speculators' Muon split (its RFC #979 defaults) puts it on Muon too. RMSNorm
+weights, biases and DFlash2's convolution kernels go to AdamW. `optim.muon_exclude` moves named matrices (e.g. `[fc]`)
+to AdamW, to measure the other choice. The plan applies the same rule to size the optimizer state.
 
 Checkpoints: `adamw` saves AdamW's own state_dict (the format of every earlier checkpoint); `muon` saves
 {"muon": ..., "adamw": ...}. Sharded (DCP) checkpoints pass `parts` to torch.distributed.checkpoint, which keys
@@ -23,7 +27,7 @@ import logging
 
 import torch
 
-from dflash.config import ConfigError
+from dflash.core.config import ConfigError
 from dflash.model.muon_split import split_for_muon
 
 log = logging.getLogger(__name__)
@@ -39,7 +43,7 @@ class DrafterOptimizer:
         if self.name == "adamw":
             self.parts = {"adamw": self._adamw([p for _, p in named], lr)}
         elif self.name == "muon":
-            muon, adamw = split_for_muon(named, tuple(optim_cfg.muon_exclude))
+            muon, adamw = split_for_muon(model, tuple(optim_cfg.muon_exclude))
             if not muon:
                 raise ConfigError("optim=muon found no 2-D weight matrix to optimize (optim.muon_exclude took all)")
             self.parts = {
@@ -95,7 +99,17 @@ class DrafterOptimizer:
                 f"the checkpoint's optimizer state is optim={saved}'s, this run's optimizer is optim={self.name}: "
                 f"resume with optim={saved}, or start a new run from its weights with model.init_from=RUN_DIR"
             )
-        for name, part_state in self.split_state(state).items():
+        parts = self.split_state(state)
+        for name in sorted({*parts, *self.parts}):
+            saved_n = _held(parts[name]) if name in parts else 0
+            n = _held(self.parts[name].state_dict()) if name in self.parts else 0
+            if saved_n != n:  # torch would refuse with "a parameter group that doesn't match the size"
+                raise ConfigError(
+                    f"the checkpoint's {name} optimizer holds {saved_n} parameters, this run's {n}: the run splits the "
+                    "drafter between Muon and AdamW otherwise (optim.muon_exclude, or a family's vocabulary tables, "
+                    "Muon's before #48); start a new run from its weights with model.init_from=RUN_DIR"
+                )
+        for name, part_state in parts.items():
             self.parts[name].load_state_dict(part_state)
         self.apply_config()
 
@@ -116,6 +130,11 @@ class DrafterOptimizer:
                 else:
                     group["betas"] = tuple(self.cfg.betas)
                     group["weight_decay"] = self.cfg.weight_decay
+
+
+def _held(state: dict) -> int:
+    """Parameters an optimizer's state_dict holds, over its groups."""
+    return sum(len(group["params"]) for group in state["param_groups"])
 
 
 def saved_optimizer(state: dict) -> str:

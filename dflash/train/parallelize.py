@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash.distributed import World
+from dflash.core.distributed import World
 from dflash.model.families import drafter_class
 
 

@@ -17,7 +17,7 @@ Lifetime is owned by ``Pipeline.run()``: one internal stop event every stage wat
 any stage stops every stage and is re-raised as ``StageError`` naming the stage; every thread is joined (with a
 timeout) before ``run()`` returns or raises.
 
-A run is stopped from outside one way: the caller's ``stop_event``, which ``dflash.interrupts``' SIGTERM/SIGINT
+A run is stopped from outside one way: the caller's ``stop_event``, which ``dflash.core.interrupts``' SIGTERM/SIGINT
 handler sets (``run.py`` passes it unless the drafter trains on several ranks, which agree on a stop in their
 trainer). ``run()``'s thread checks it every ``POLL_S`` seconds (sync mode: before each batch, so the current
 drafter step finishes first), stops every stage and returns with ``stopped_by="interrupted"`` (it does not
@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from dflash.config import PIPELINE_MODES
-from dflash.disk import disk_error
+from dflash.core.config import PIPELINE_MODES
+from dflash.core.disk import disk_error
 from dflash.train.channel import END, POLL_S, BoundedChannel, ChannelClosed, InOrder, item_nbytes
 from dflash.train.monitor import MONITOR_KEYS, Monitor, StageStats, StageWindow
 
@@ -129,7 +129,7 @@ class Pipeline:
             (stuck inside a stage function) are daemon threads, logged with a warning and abandoned.
         threads_per_stage: if set, each stage thread calls ``torch.set_num_threads(n)`` first (sync mode: the
             caller's thread). See the note below. ``None`` leaves torch's threading alone.
-        stop_event: an event owned by the caller (``dflash.interrupts``' handler sets it on SIGTERM/SIGINT); once
+        stop_event: an event owned by the caller (``dflash.core.interrupts``' handler sets it on SIGTERM/SIGINT); once
             set, the run stops with ``stopped_by="interrupted"``. Polled by ``run()``'s thread, so no helper thread
             has to watch it; ``None``: only the stages end the run (a data-parallel run stops in its trainer).
 

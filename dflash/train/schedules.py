@@ -1,6 +1,6 @@
 """Learning-rate and feature-noise schedules as pure functions of (step, total_steps, cfg).
 
-`cfg` is anything with the fields of `dflash.config.ScheduleConfig` (the dataclass or a DictConfig node).
+`cfg` is anything with the fields of `dflash.core.config.ScheduleConfig` (the dataclass or a DictConfig node).
 Steps are 0-based: step 0 is the first optimizer step, step total_steps - 1 the last; steps past the end
 are clamped to the last step (so a resumed run that overshoots keeps the final value).
 """
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dflash.config import SCHEDULE_NAMES
+from dflash.core.config import SCHEDULE_NAMES
 
 
 def _check_step(step: int, total_steps: int) -> int:

@@ -3,9 +3,8 @@
 Nothing here knows about threads or Hydra: `pipeline.Pipeline` calls `TargetForward` and `DrafterTrainer.train_on`,
 either in sequence (pipeline=sync) or in threads joined by bounded queues (pipeline=async).
 
-Determinism: the anchors and the feature noise of optimizer step t come from generators seeded with
-(train.seed, t), and the data order from (train.seed, pass). So a resumed run draws exactly what an
-uninterrupted one would have drawn.
+Determinism: the anchors and the feature noise of optimizer step t come from generators seeded with (train.seed, t),
+and the data order from (train.seed, pass): a resumed run draws exactly what an uninterrupted one would have drawn.
 """
 
 from __future__ import annotations
@@ -20,15 +19,17 @@ from functools import partial
 
 import torch
 
+from dflash.core.distributed import World
+from dflash.core.machine import peak_rss_mb
 from dflash.data.batches import Batch
-from dflash.distributed import World
-from dflash.machine import peak_rss_mb
 from dflash.model.blocks import gather_positions, sample_anchors
 from dflash.model.families import drafted_hidden, family_loss, target_argmax, training_blocks
 from dflash.model.window import draft_window
 from dflash.train.block_metrics import BlockMetricsAccumulator
 from dflash.train.optimizers import DrafterOptimizer
+from dflash.train.precision import autocast, autocast_dtype, head_for_loss
 from dflash.train.schedules import add_feature_noise, lr_at, noise_std_at
+from dflash.train.time_budget import TimeBudget, stop_reason
 
 log = logging.getLogger(__name__)
 
@@ -177,9 +178,14 @@ class DrafterTrainer:
         self.block_size = cfg.model.block_size
         self.total_steps = total_steps
         self.max_tokens = cfg.train.max_tokens
+        self.budget = TimeBudget(cfg.train.get("max_minutes"))  # max_minutes: any rank stops all; mean clock
         self.after_step = after_step
         self.optimizer = DrafterOptimizer(self.model, cfg.optim, cfg.schedule.lr)  # the optim group's
         self.lm_head_weight = target.lm_head.weight  # frozen, shared with the target
+        self.device = next(drafter.parameters()).device
+        # train.precision: bf16-mixed runs the forward and loss under bfloat16 autocast (dflash/train/precision.py)
+        self.autocast_dtype = autocast_dtype(cfg.train.get("precision", "fp32"), self.device)
+        self.loss_head_weight = head_for_loss(self.lm_head_weight, self.autocast_dtype)
         self._target_mb = sum(p.numel() * p.element_size() for p in target.parameters()) / 2**20
         self.build_blocks = partial(training_blocks, drafter)  # the drafter family's slots and labels
         self.attention = training_attention(cfg.model.attention, next(drafter.parameters()).device)
@@ -245,13 +251,13 @@ class DrafterTrainer:
         return out
 
     def lr_for(self, step: int) -> float:
-        return lr_at(min(step, self.total_steps - 1), self.total_steps, self.cfg.schedule)
+        return lr_at(self.budget.schedule_step(step, self.total_steps), self.total_steps, self.cfg.schedule)
 
     def noise_for(self, step: int) -> float:
-        return noise_std_at(min(step, self.total_steps - 1), self.total_steps, self.cfg.schedule)
+        return noise_std_at(self.budget.schedule_step(step, self.total_steps), self.total_steps, self.cfg.schedule)
 
     def done(self) -> bool:
-        return self.step >= self.total_steps or (self.max_tokens is not None and self.tokens >= self.max_tokens)
+        return stop_reason(self) is not None
 
     # --- the step -------------------------------------------------------------------------------------
     def compute_loss(self, item: HiddenItem, step: int, noise_std: float):
@@ -275,27 +281,29 @@ class DrafterTrainer:
         else:
             generator = step_generator(cfg.train.seed, step, 1, target_hidden.device)
             target_hidden = add_feature_noise(target_hidden, noise_std, generator=generator)
-        out = self.model(noise_embedding, target_hidden, blocks.position_ids, attention_mask=blocks.attention_mask)
         bsz, n = anchors.shape
-        draft_hidden = drafted_hidden(self.drafter, out, bsz, n, B)  # [bsz * N, B-1, H] (DFlash: slots 1..B-1)
         # every loss gets the target's last hidden states (the KL losses' soft labels) and its argmax, which
         # train/sim_tau compares the draft's with (greedy verification): a store's, or computed once per position
+        # (in float32, outside autocast: the target's own argmax under any train.precision)
         teacher_hidden = gather_positions(item.last_hidden, blocks.teacher_positions).reshape(bsz * n, B - 1, -1)
         stored = item.target_next
         target_next = target_argmax(self.drafter, blocks, item.last_hidden, stored, self.lm_head_weight, cfg.loss)
-        return family_loss(  # the drafter family's loss (DFlash: model/losses.py's fused dflash_loss)
-            self.drafter,
-            draft_hidden,
-            blocks,
-            item.input_ids,
-            teacher_hidden,
-            self.lm_head_weight,
-            cfg.loss,
-            B,
-            # data parallelism: every rank divides by the global weight sum (SpecForge PR #731's fix)
-            weight_denominator=self._global_weight_sum if self.world.distributed else None,
-            target_next=target_next,
-        )
+        with autocast(self.device, self.autocast_dtype):
+            out = self.model(noise_embedding, target_hidden, blocks.position_ids, attention_mask=blocks.attention_mask)
+            draft_hidden = drafted_hidden(self.drafter, out, bsz, n, B)  # [bsz * N, B-1, H] (DFlash: slots 1..B-1)
+            return family_loss(  # the drafter family's loss (DFlash: model/losses.py's fused dflash_loss)
+                self.drafter,
+                draft_hidden,
+                blocks,
+                item.input_ids,
+                teacher_hidden,
+                self.loss_head_weight,
+                cfg.loss,
+                B,
+                # data parallelism: every rank divides by the global weight sum (SpecForge PR #731's fix)
+                weight_denominator=self._global_weight_sum if self.world.distributed else None,
+                target_next=target_next,
+            )
 
     def _global_weight_sum(self, local: torch.Tensor) -> torch.Tensor:
         return self.world.all_reduce(local.reshape(1)).reshape(())
@@ -305,6 +313,7 @@ class DrafterTrainer:
         Under data parallelism every rank runs the same collectives in the same order each step."""
         if self.done():
             return False
+        self.budget.start()
         cfg, world = self.cfg, self.world
         step = self.step
         lr, noise_std = self.lr_for(step), self.noise_for(step)
@@ -354,6 +363,7 @@ class DrafterTrainer:
             )
         if self.after_step is not None:
             self.after_step(self)
+        self.budget.agree(stats["time_up"], self.step, stats["elapsed_s"])
         if stats["stop"]:
             self.stopped_on_request = True
             log.warning("stopping after step %d: a stop was requested", self.step)
@@ -369,6 +379,7 @@ class DrafterTrainer:
             [
                 torch.stack([out.loss.detach().float(), out.loss_ce.float(), out.loss_kl.float()]).cpu().double(),
                 torch.tensor([float(self.world.distributed and self.stop_requested())], dtype=torch.float64),
+                torch.tensor([float(self.budget.time_up()), self.budget.elapsed_s() / self.world.size]).double(),
                 torch.tensor([float(out.extra[k]) for k in extra], dtype=torch.float64),
                 BlockMetricsAccumulator.counts(out.correct, out.valid, out.target_correct).cpu().double(),
             ]
@@ -381,8 +392,10 @@ class DrafterTrainer:
             "loss_ce": total[1].item(),
             "loss_kl": total[2].item(),
             "stop": bool(total[3].item() > 0),
-            "extra": {k: total[4 + i].item() for i, k in enumerate(extra)},
-            "counts": total[4 + len(extra) :],
+            "time_up": bool(total[4].item() > 0),
+            "elapsed_s": total[5].item(),
+            "extra": {k: total[6 + i].item() for i, k in enumerate(extra)},
+            "counts": total[6 + len(extra) :],
         }
 
     def set_local_sample(self, sample: dict[str, float]) -> None:
@@ -415,6 +428,7 @@ class DrafterTrainer:
             "next_data": list(self.next_data),
             "recent": [list(map(float, r)) for r in self.recent],
             "recent_layout": 2,  # 2: block counts end with the sim_tau counts
+            "trained_s": round(self.budget.agreed_s, 3),
         }
 
     def load_counters(self, state: dict) -> None:
@@ -423,11 +437,12 @@ class DrafterTrainer:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.bad_in_row = int(state.get("bad_in_row", 0))
         self.next_data = tuple(state["next_data"])
+        self.budget.load(state.get("trained_s", 0.0))
         self.recent.clear()
         if state.get("recent_layout") == 2:  # an older checkpoint's rows lack the sim_tau counts: start afresh
             self.recent.extend(state.get("recent", []))
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict:  # the counters beside the optimizer's state
         return {"optimizer": self.optimizer.state_dict(), **self.counters()}
 
     def load_state_dict(self, state: dict) -> None:

@@ -7,7 +7,7 @@ credit). NCCL runs a communicator's point-to-point operations in the order they 
 with one direction per communicator, each side posts its operations on it in the order the other side posts the
 matching ones, so no wait can be circular (a credit receive posted early never holds back an item send, which
 runs on the other communicator). Both groups exchange one message at start-up, so their
-communicators exist before either side posts a long-lived receive (dflash.distributed.open_links).
+communicators exist before either side posts a long-lived receive (dflash.core.distributed.open_links).
 
 An item travels as a fixed-size int64 header (sequence number,
 integer fields, then each tensor's dtype and shape) followed by its tensors in order. Flow control is by
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dflash.distributed import Link
+from dflash.core.distributed import Link
 from dflash.train.channel import END, BoundedChannel
 from dflash.train.trainer import HiddenItem
 

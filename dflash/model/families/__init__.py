@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.config import default_decay_gamma
+from dflash.core.config import default_decay_gamma
 from dflash.model.blocks import TrainingBlocks, build_training_blocks
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.families.dflash2 import DFlash2DraftModel, configure_dflash2
@@ -63,6 +63,20 @@ def drafter_class(config) -> type[DFlashDraftModel]:
 def configure_family(config, drafter_cfg) -> None:
     """drafter.* into the drafter's config (model/build.py made its backbone part from model.*)."""
     FAMILIES[drafter_cfg.name].configure(config, drafter_cfg)
+
+
+def check_block_size(drafter: DFlashDraftModel, block_size: int) -> None:
+    """Refuse a block size the drafter's family cannot run, naming both sizes. DFlash and DSpark draft blocks of any
+    size (the backbone attends over the block, DSpark's heads run draft by draft); DFlash2's convolutions span its
+    training block, so another size would run a model that was never trained (`fixed_block_size`)."""
+    if block_size < 2:
+        raise ValueError(f"block size {block_size} must be >= 2 to evaluate a drafter")
+    fixed = getattr(drafter, "fixed_block_size", None)
+    if fixed is not None and block_size != fixed:
+        raise ValueError(
+            f"block size {block_size} cannot run this drafter={family_name(drafter.config)} drafter: it was trained "
+            f"at block size {fixed}, and its convolutions span exactly that block; evaluate it at block size {fixed}"
+        )
 
 
 def draft_slots(drafter: DFlashDraftModel) -> int:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from dflash.model.drafter import DFlashDraftModel, Qwen3DFlashDecoderLayer
+from dflash.model.muon_split import EMBEDDING
 
 FAMILY = "dflash2"
 
@@ -94,6 +95,10 @@ class DFlash2DecoderLayer(Qwen3DFlashDecoderLayer):
 
 
 class CandidateSelector(nn.Module):
+    # token codebooks, a row per vocabulary entry (looked up by the previous token and by the candidates): tables,
+    # not hidden matrices, so optim=muon leaves them to AdamW (muon_split.py)
+    PARAMETER_ROLES = {"predecessor_codebook": EMBEDDING, "successor_codebook": EMBEDDING}
+
     def __init__(self, vocab_size: int, hidden_size: int, rank: int, top_k: int):
         super().__init__()
         self.top_k = top_k
@@ -135,6 +140,12 @@ class DFlash2DraftModel(DFlashDraftModel):
 
     def slots_for(self, num_draft: int) -> int:
         return num_draft + 1  # DFlash's block: the anchor's slot predicts nothing
+
+    @property
+    def fixed_block_size(self) -> int:
+        """The only block size it runs: its convolutions reshape the stream into blocks of the training size, so a
+        block of 16 at size 8 would run as two independent blocks of 8 (families.check_block_size refuses it)."""
+        return self.block_size
 
     @torch.no_grad()
     def choose_drafts(self, block_hidden: torch.Tensor, lm_head: nn.Module, anchor: int):

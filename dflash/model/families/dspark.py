@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from dflash.model.drafter import DFlashDraftModel
+from dflash.model.muon_split import EMBEDDING, OUTPUT
 
 FAMILY = "dspark"
 
@@ -43,6 +44,9 @@ def dspark_settings(config) -> dict:
 
 class MarkovHead(nn.Module):
     """The low-rank bias W2 z_j; z_j from the previous token's embedding (and the hidden state, the rnn's state)."""
+
+    # W1 is a table over the vocabulary and W2 a projection onto it: optim=muon leaves both to AdamW (muon_split.py)
+    PARAMETER_ROLES = {"markov_w1.weight": EMBEDDING, "markov_w2.weight": OUTPUT}
 
     def __init__(self, vocab_size: int, hidden_size: int, rank: int, head_type: str):
         super().__init__()
@@ -86,6 +90,8 @@ class MarkovHead(nn.Module):
 
 class ConfidenceHead(nn.Module):
     """One logit per drafted position: its acceptance probability is the sigmoid."""
+
+    PARAMETER_ROLES = {"proj.weight": OUTPUT}  # an output layer: AdamW's under optim=muon
 
     def __init__(self, input_dim: int):
         super().__init__()

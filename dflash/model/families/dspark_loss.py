@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dflash.config import default_decay_gamma
+from dflash.core.config import default_decay_gamma
 from dflash.model.loss_weights import decay_weights, position_weights
 from dflash.model.losses import Denominator, LossOutput
 

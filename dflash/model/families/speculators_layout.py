@@ -1,5 +1,6 @@
-"""vLLM speculators' checkpoint layout (0.9.0) for the families it defines beside DFlash: written by our exports of
-them, read back by `python -m dflash.evaluate` (dflash stays in z-lab's layout: model/export.py).
+"""vLLM speculators' checkpoint layout (0.9.0), both ways: our exports of DSpark and DFlash2 write it (DFlash's export
+stays in z-lab's layout: model/export.py, but `write_speculators` writes DFlash too), and `python -m dflash.evaluate`
+reads a DFlash, DSpark or DFlash2 checkpoint in it (one trained by speculators itself: `python -m dflash.bench peer`).
 
 A speculators checkpoint is `config.json` + `model.safetensors`. The config (a pydantic SpeculatorModelConfig that
 `SpeculatorModel.from_pretrained` resolves by `speculators_model_type`) holds the drafter's decoder shape as
@@ -9,20 +10,31 @@ A speculators checkpoint is `config.json` + `model.safetensors`. The config (a p
 `speculators_config` (algorithm, the greedy proposal with its `speculative_tokens`, the verifier). The weights are
 the drafter's own under our parameter names, which are speculators' (no embed_tokens / lm_head: speculators
 reloads those from the verifier named in the config).
+
+What our drafters cannot be is refused on read: a pruned draft vocabulary (`draft_vocab_size` below the verifier's:
+our drafters use the target's own LM head), and a DFlash whose sliding layers run a causal block (speculators' CLI
+default, `sliding_window_non_causal: false`): our drafter runs every block non-causally.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from dflash.model.drafter import DFlashDraftModel
 from dflash.model.families.dflash2 import DFlash2DraftModel, dflash2_settings
 from dflash.model.families.dspark import DSparkDraftModel, dspark_settings
+from dflash.model.older_readers import with_legacy_rope
+
+log = logging.getLogger(__name__)
 
 SPECULATORS_VERSION = "0.9.0"
+# speculators_model_type -> our class (speculators' class of the same name)
+CLASSES = {"dflash": DFlashDraftModel, "dspark": DSparkDraftModel, "dflash2": DFlash2DraftModel}
 # our keys in the drafter's Qwen3Config that are not the decoder layer's
 _OURS = ("dflash_config", "dspark_config", "dflash2_config", "drafter_family", "block_size", "num_target_layers",
          "auto_map", "architectures", "dflash_target", "transformers_version", "dtype", "torch_dtype")  # fmt: skip
@@ -32,11 +44,23 @@ def _layer_config(config) -> dict:
     layer = {k: v for k, v in config.to_dict().items() if k not in _OURS and not k.startswith("_")}
     layer["model_type"] = "qwen3"
     layer["tie_word_embeddings"] = False
-    return layer
+    return with_legacy_rope(layer)  # a reader that builds its Qwen3Config under transformers < 5 reads rope_theta
 
 
-def _family_fields(drafter) -> dict:
-    if isinstance(drafter, DFlash2DraftModel):
+def family_of(drafter) -> str:
+    """speculators_model_type of our drafter: its family's name, which is speculators' for the same model."""
+    return next(kind for kind, cls in reversed(CLASSES.items()) if isinstance(drafter, cls))
+
+
+def _sliding(layer_types) -> bool:
+    return any(t == "sliding_attention" for t in layer_types or [])
+
+
+def _family_fields(drafter, family: str) -> dict:
+    if family == "dflash":
+        # our block is non-causal in every layer; speculators' sliding layers need the flag for that
+        return {"sample_from_anchor": False, "sliding_window_non_causal": _sliding(drafter.config.layer_types)}
+    if family == "dflash2":
         s = dflash2_settings(drafter.config)
         return {
             "sample_from_anchor": False,  # DFlash's block: speculators' DFlash2 default
@@ -57,27 +81,44 @@ def _family_fields(drafter) -> dict:
     }
 
 
-def speculators_config(drafter: DSparkDraftModel | DFlash2DraftModel, verifier: str | None) -> dict:
-    """The config.json speculators' DSpark / DFlash2 config class reads for this drafter."""
+def verifier_config(verifier: str | None):
+    """The verifier's transformers config from its local files (a directory, or a hub name already in the local
+    cache: nothing is downloaded), or None."""
+    if verifier is None:
+        return None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(verifier), local_files_only=True)
+    except (OSError, ValueError):
+        return None
+
+
+def speculators_config(drafter: DFlashDraftModel, verifier: str | None) -> dict:
+    """The config.json speculators' DFlash / DSpark / DFlash2 config class reads for this drafter; the verifier's
+    architectures come from its own config (SmolLM2: LlamaForCausalLM), [] when its files are not here."""
     cfg = drafter.config
-    family = "dflash2" if isinstance(drafter, DFlash2DraftModel) else "dspark"
+    family = family_of(drafter)
     num_target = getattr(cfg, "num_target_layers", None)
     if num_target is not None and any(i + 1 >= num_target for i in drafter.target_layer_ids):
         raise ValueError(
             f"target_layer_ids={drafter.target_layer_ids} read the target's last layer, which speculators splits off "
             "as the verifier's last hidden state: train with model.target_layer_ids below the last layer"
         )
+    if family == "dflash" and _sliding(cfg.layer_types):
+        log.warning(_WINDOW_RULE)
+    found = verifier_config(verifier)
     return {
         "speculators_model_type": family,
         "speculators_version": SPECULATORS_VERSION,
-        "architectures": ["DFlash2DraftModel" if family == "dflash2" else "DSparkDraftModel"],
+        "architectures": [CLASSES[family].__name__],
         "transformer_layer_config": _layer_config(cfg),
         "draft_vocab_size": int(cfg.vocab_size),
         "block_size": int(getattr(drafter, "draft_slots", drafter.block_size)),
         "target_hidden_size": None,
         "aux_hidden_state_layer_ids": [int(i) + 1 for i in drafter.target_layer_ids],
         "mask_token_id": int(drafter.mask_token_id),
-        **_family_fields(drafter),
+        **_family_fields(drafter, family),
         "tie_word_embeddings": False,
         "speculators_config": {
             "algorithm": family,
@@ -90,9 +131,15 @@ def speculators_config(drafter: DSparkDraftModel | DFlash2DraftModel, verifier: 
                     "verifier_accept_k": 1,
                 }
             ],
-            "verifier": {"architectures": ["Qwen3ForCausalLM"], "name_or_path": verifier},
+            "verifier": {"architectures": list(getattr(found, "architectures", None) or []), "name_or_path": verifier},
         },
     }
+
+
+_WINDOW_RULE = (
+    "a DFlash with sliding layers in speculators' layout: speculators counts the window from each block's anchor, "
+    "this drafter from each query slot, so the two see up to block_size context positions apart at the window's edge"
+)
 
 
 def write_speculators(drafter, out_dir: Path, verifier: str | None = None, dtype: torch.dtype | None = None) -> None:
@@ -110,26 +157,54 @@ def is_speculators_dir(path: Path) -> bool:
     return config.exists() and "speculators_model_type" in json.loads(config.read_text())
 
 
-def load_speculators(path: Path) -> DSparkDraftModel | DFlash2DraftModel:
-    """A speculators-layout DSpark or DFlash2 checkpoint as our drafter (the inverse of write_speculators)."""
+def _refuse_what_ours_cannot_be(path: Path, kind: str, raw: dict, config) -> None:
+    """A pruned draft vocabulary, a DFlash sampling from its anchor or running a causal block in sliding layers:
+    our drafters would load other weights or compute another function."""
+    if int(raw.get("draft_vocab_size") or config.vocab_size) != int(config.vocab_size):
+        raise ValueError(
+            f"{path}: draft_vocab_size={raw['draft_vocab_size']} of the verifier's {config.vocab_size} tokens (a "
+            "pruned draft vocabulary): our drafters use the target's whole LM head; train without --draft-vocab-size"
+        )
+    if kind != "dflash":
+        return
+    if raw.get("sample_from_anchor"):
+        raise ValueError(f"{path}: a DFlash with sample_from_anchor=true; our DFlash's anchor slot drafts nothing")
+    if _sliding(config.layer_types):
+        if not raw.get("sliding_window_non_causal"):
+            raise ValueError(
+                f"{path}: layer_types={list(config.layer_types)} slide with a causal block (sliding_window_non_causal "
+                "false, speculators' CLI default for dflash); our drafter runs every block non-causally: train it "
+                "with --full-attention-indices naming every layer, or --sliding-window-non-causal"
+            )
+        log.warning("%s: %s", path, _WINDOW_RULE)
+
+
+def load_speculators(path: Path) -> DFlashDraftModel:
+    """A speculators-layout DFlash, DSpark or DFlash2 checkpoint as our drafter (the inverse of write_speculators;
+    also what speculators' own Trainer saves)."""
     from safetensors.torch import load_file
     from transformers import Qwen3Config
 
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
     kind = raw.get("speculators_model_type")
-    if kind not in ("dspark", "dflash2"):
-        raise ValueError(f"{path}: speculators_model_type={kind!r}; this framework reads dspark and dflash2 ones")
+    if kind not in CLASSES:
+        raise ValueError(f"{path}: speculators_model_type={kind!r}; this framework reads {', '.join(CLASSES)} ones")
     config = Qwen3Config(**{k: v for k, v in raw["transformer_layer_config"].items() if k != "model_type"})
-    draft_tokens = int(raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
-    config.block_size = draft_tokens + 1
+    _refuse_what_ours_cannot_be(path, kind, raw, config)
+    spec = raw.get("speculators_config") or {}
+    if kind == "dflash":  # block_size slots, the anchor's drafting nothing
+        block = int(raw["block_size"])
+    else:
+        block = int(spec["proposal_methods"][0]["speculative_tokens"]) + 1
+    config.block_size = block
     config.dflash_config = {
         "mask_token_id": int(raw["mask_token_id"]),
         "target_layer_ids": [int(i) - 1 for i in raw["aux_hidden_state_layer_ids"]],
-        "block_size": draft_tokens + 1,
+        "block_size": block,
     }
     config.drafter_family = kind
-    config.architectures = ["DFlash2DraftModel" if kind == "dflash2" else "DSparkDraftModel"]
+    config.architectures = [CLASSES[kind].__name__]
     config.dflash2_config = {
         "conv_kernel_size": int(raw.get("conv_kernel_size", 2)),
         "conv_group_size": int(raw.get("conv_group_size", 16)),
@@ -143,14 +218,17 @@ def load_speculators(path: Path) -> DSparkDraftModel | DFlash2DraftModel:
         "confidence_head": bool(raw.get("enable_confidence_head", True)),
         "confidence_head_with_markov": bool(raw.get("confidence_head_with_markov", True)),
     }
-    target = raw["speculators_config"].get("verifier", {}).get("name_or_path")
+    target = (spec.get("verifier") or {}).get("name_or_path")
     if target is not None:
         config.dflash_target = target
-    if kind == "dflash2":
+        found = verifier_config(target)
+        if found is not None:  # what z-lab's layout records (an export of this drafter there)
+            config.num_target_layers = int(found.num_hidden_layers)
+    if kind != "dspark":
         del config.dspark_config
-    else:
+    if kind != "dflash2":
         del config.dflash2_config
-    drafter = (DFlash2DraftModel if kind == "dflash2" else DSparkDraftModel)(config)
+    drafter = CLASSES[kind](config)
     state = load_file(str(path / "model.safetensors"))
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:

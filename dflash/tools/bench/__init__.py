@@ -33,6 +33,9 @@ sweep: a 4-job multirun over loss.kl_temperature online against from a feature s
 families: each drafter family's cost per draft cycle at one block size (parameters, FLOPs of one proposal, its
       measured CPU latency), side by side, and with target_layers=N each family's break-even tau against a target
       of those widths; see dflash/tools/bench/families.py.
+peer: our recipe against a peer's at equal budget: vLLM speculators' DFlash trained by its own model, loss and CLI
+      defaults on the same feature-store rows, steps and seeds as our runs (RUN_DIR ...), both evaluated by replay
+      per suite, the paired differences; see dflash/tools/bench/peer.py.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ BENCHES = {
     "transport": "dflash.tools.bench.transport",
     "sweep": "dflash.tools.bench.sweep",
     "families": "dflash.tools.bench.families",
+    "peer": "dflash.tools.bench.peer",
 }
 
 

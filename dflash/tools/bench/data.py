@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash.machine import peak_rss_mb
+from dflash.core.machine import peak_rss_mb
 from dflash.tools.bench.options import parse_opts
 
 DEFAULTS = {"sizes": "20000,200000", "turns": "3", "num_proc": "null", "seq_len": "2048", "batch_size": "8"}
@@ -53,7 +53,7 @@ def _measure(path: str, cache: str, target: str, num_proc: str, seq_len: int, ba
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
-    from dflash.config import DataConfig
+    from dflash.core.config import DataConfig
     from dflash.data.training_data import build_training_data
 
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -83,7 +83,7 @@ def _run(*args) -> dict:
 def _tiny_target(cache: Path) -> str:
     from omegaconf import OmegaConf
 
-    from dflash.config import CONF_DIR, TinyBuildConfig
+    from dflash.core.config import CONF_DIR, TinyBuildConfig
     from dflash.model.tiny import ensure_target
 
     spec = OmegaConf.load(Path(CONF_DIR) / "model" / "tiny_random.yaml")

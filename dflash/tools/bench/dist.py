@@ -44,8 +44,8 @@ DEFAULTS = {
 def _worker(args: list[str]) -> None:
     """One rank of a measured world (started by torchrun): prints rank 0's result as one JSON line."""
 
+    from dflash.core.distributed import init_world
     from dflash.data.batches import Batch, rank_slice
-    from dflash.distributed import init_world
     from dflash.model.build import build_drafter_config, init_drafter
     from dflash.model.target import TargetModel
     from dflash.tools.bench.pipeline import SHAPES, _config, random_target_overrides

@@ -78,7 +78,7 @@ def _target_config(opts: dict[str, int], layers: int):
 def _drafter(opts: dict[str, int], family: str, head_type: str | None):
     from omegaconf import OmegaConf
 
-    from dflash.config import DrafterConfig, ModelConfig
+    from dflash.core.config import DrafterConfig, ModelConfig
     from dflash.model.build import build_drafter_config, init_drafter
     from dflash.model.families import configure_family
 

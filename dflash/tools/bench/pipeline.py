@@ -86,7 +86,7 @@ SHAPES = {
 def _config(opts: dict, model_overrides: list[str], num_anchors: int):
     from hydra import compose, initialize_config_dir
 
-    from dflash.config import CONF_DIR, register_configs
+    from dflash.core.config import CONF_DIR, register_configs
 
     register_configs()
     block = [] if opts["block_size"] == "auto" else [f"model.block_size={opts['block_size']}"]
@@ -124,7 +124,7 @@ BUILD_FIX = {
 def preset_target_overrides(opts: dict) -> list[str]:
     """model=PRESET: the preset's overrides with its target folder, which must be saved already (one-line error,
     naming the fix, otherwise)."""
-    from dflash.config import CONF_DIR
+    from dflash.core.config import CONF_DIR
 
     name = opts["model"]
     presets = sorted(f.stem for f in (CONF_DIR / "model").glob("*.yaml"))
@@ -186,13 +186,13 @@ def sync_device() -> None:
 def bench(args: list[str]) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from dflash.core.distributed import resolve_device
+    from dflash.core.terminal import display, install_logging
     from dflash.data.batches import Batch
     from dflash.data.corpus import load_tokenizer
-    from dflash.distributed import resolve_device
     from dflash.model.build import build_drafter_config, resolve_mask_token_id, resolve_target_layer_ids
     from dflash.model.drafter import DFlashDraftModel
     from dflash.model.target import TargetModel, load_target_config
-    from dflash.terminal import display, install_logging
     from dflash.tools.bench.options import parse_opts
     from dflash.train.pipeline import Pipeline
     from dflash.train.trainer import DrafterTrainer, TargetForward

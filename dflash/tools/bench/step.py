@@ -20,9 +20,10 @@ the trainer does online without a KL), argmax (a feature store's: no teacher log
 
 Options: seq_len=4096 windows=none,512 teachers=none anchors=64 block_size=16 batch=1 hidden=1024 heads=16
 kv_heads=4 head_dim=64 intermediate=2816 layers=1 features=2 vocab=8192 chunk_size=256 loss=ce_decay repeats=2
-dtype=float32 device=cpu budgets=none lengths= (empty: `batch` rows of seq_len). The real target's LM head
-(SmolLM2-135M): hidden=576 vocab=49152 heads=9 kv_heads=3 head_dim=64 intermediate=1536 layers=2 features=3
-seq_len=256 batch=4 anchors=32 block_size=8 windows=none teachers=logits,online,argmax
+dtype=float32 device=cpu budgets=none lengths= (empty: `batch` rows of seq_len) precisions=fp32 (fp32,bf16-mixed:
+train.precision's two steps side by side) rounds=1 (each variant's worker this many times, the variants in turn).
+The real target's LM head (SmolLM2-135M): hidden=576 vocab=49152 heads=9 kv_heads=3 head_dim=64 intermediate=1536
+layers=2 features=3 seq_len=256 batch=4 anchors=32 block_size=8 windows=none teachers=logits,online,argmax
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ STEP_DEFAULTS: dict[str, str] = {
     "device": "cpu",
     "budgets": "none",
     "lengths": "",
+    "precisions": "fp32",
+    "rounds": "1",
 }
 
 
@@ -95,15 +98,17 @@ def _drafter(o: dict, window: int | None):
 
 
 def _worker(args: list[str]) -> None:
-    """Child process: one window, teacher and budget ("WINDOW/TEACHER/BUDGET"), `repeats` steps, one JSON line."""
+    """Child process: one window, teacher, budget and precision ("WINDOW/TEACHER/BUDGET/PRECISION"), `repeats`
+    steps, one JSON line."""
     import torch
 
     from dflash.model.blocks import build_training_blocks, gather_positions, sample_anchors
     from dflash.model.losses import dflash_loss
     from dflash.model.target import greedy_tokens, greedy_tokens_at
     from dflash.model.window import draft_window
+    from dflash.train.precision import autocast, autocast_dtype, head_for_loss
 
-    name, teacher, budget_name = args[0].split("/")
+    name, teacher, budget_name, precision = args[0].split("/")
     window, o = (None if name == "none" else int(name)), json.loads(args[1])
     budget = None if budget_name == "none" else int(budget_name)
     device, dtype = torch.device(o["device"]), getattr(torch, o["dtype"])
@@ -119,6 +124,8 @@ def _worker(args: list[str]) -> None:
     loss_mask = torch.arange(S, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
     last_hidden = torch.randn(bsz, S, H, generator=g, device=device, dtype=dtype)
     stored_next = greedy_tokens(last_hidden, head)  # a store's target_next, made before the steps are timed
+    amp = autocast_dtype(precision, device)  # the trainer's train.precision: bf16 autocast and a bf16 loss head
+    loss_head = head_for_loss(head, amp)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -137,22 +144,31 @@ def _worker(args: list[str]) -> None:
         anchors, valid = sample_anchors(loss_mask, int(o["anchors"]), B, torch.Generator().manual_seed(step), budget)
         anchors, valid = anchors.to(device), valid.to(device)
         blocks = build_training_blocks(ids, loss_mask, anchors, valid, B, 0, attention, draft_window(drafter.config))
-        out = drafter(embed[blocks.input_ids], feats, blocks.position_ids, attention_mask=blocks.attention_mask)
         n = anchors.shape[1]
-        draft = out.view(bsz, n, B, -1)[:, :, 1:].reshape(bsz * n, B - 1, -1)
-        kw = dict(decay_gamma=7.0, kl_temperature=1.0, kl_weight=0.5 if o["loss"] == "kl" else 0.0, streak_alpha=0.0)
-        if teacher != "none":  # as the trainer: the target's last hidden states (and argmax) at the teacher positions
-            kw["teacher_hidden"] = gather_positions(last_hidden, blocks.teacher_positions).reshape(bsz * n, B - 1, H)
-        if teacher == "argmax":
-            stored = torch.gather(stored_next, 1, blocks.teacher_positions.reshape(bsz, -1))
-            kw["target_next"] = stored.view(bsz * n, B - 1)
-        if teacher == "online":
-            at = greedy_tokens_at(last_hidden, blocks.teacher_positions, blocks.label_valid, head, int(o["chunk_size"]))
-            kw["target_next"] = at.view(bsz * n, B - 1)
-        loss = dflash_loss(
-            draft, blocks.labels.reshape(bsz * n, B - 1), blocks.label_valid.reshape(bsz * n, B - 1), head,
-            loss_name=o["loss"], block_size=B, chunk_size=int(o["chunk_size"]), **kw,
-        ).loss  # fmt: skip
+        with autocast(device, amp):  # train.precision=bf16-mixed: the trainer's autocast
+            out = drafter(embed[blocks.input_ids], feats, blocks.position_ids, attention_mask=blocks.attention_mask)
+            draft = out.view(bsz, n, B, -1)[:, :, 1:].reshape(bsz * n, B - 1, -1)
+            kw = dict(
+                decay_gamma=7.0, kl_temperature=1.0, kl_weight=0.5 if o["loss"] == "kl" else 0.0, streak_alpha=0.0
+            )
+            if (
+                teacher != "none"
+            ):  # as the trainer: the target's last hidden states (and argmax) at the teacher positions
+                kw["teacher_hidden"] = gather_positions(last_hidden, blocks.teacher_positions).reshape(
+                    bsz * n, B - 1, H
+                )
+            if teacher == "argmax":
+                stored = torch.gather(stored_next, 1, blocks.teacher_positions.reshape(bsz, -1))
+                kw["target_next"] = stored.view(bsz * n, B - 1)
+            if teacher == "online":
+                at = greedy_tokens_at(
+                    last_hidden, blocks.teacher_positions, blocks.label_valid, head, int(o["chunk_size"])
+                )
+                kw["target_next"] = at.view(bsz * n, B - 1)
+            loss = dflash_loss(
+                draft, blocks.labels.reshape(bsz * n, B - 1), blocks.label_valid.reshape(bsz * n, B - 1), loss_head,
+                loss_name=o["loss"], block_size=B, chunk_size=int(o["chunk_size"]), **kw,
+            ).loss  # fmt: skip
         loss.backward()
         sync()
         times.append(time.perf_counter() - t0)
@@ -174,6 +190,9 @@ def bench(args: list[str]) -> None:
     windows = [w.strip() for w in o["windows"].split(",") if w.strip()]
     teachers = [t.strip() for t in o["teachers"].split(",") if t.strip()]
     budgets = [b.strip() for b in o["budgets"].split(",") if b.strip()]
+    precisions = [p.strip() for p in o["precisions"].split(",") if p.strip()]
+    if not precisions or set(precisions) - {"fp32", "bf16-mixed"}:
+        raise SystemExit(f"precisions= takes fp32, bf16-mixed (comma-separated), got {o['precisions']!r}")
     lengths = row_lengths(o)
     if not budgets or any(b != "none" and not (b.isdigit() and int(b) >= len(lengths)) for b in budgets):
         rows = len(lengths)
@@ -191,23 +210,29 @@ def bench(args: list[str]) -> None:
         f"{torch.get_num_threads()} torch threads, {o['repeats']} repeats"
     )
     print("memory: rise of the worker's peak RSS (CPU) / max_memory_allocated (CUDA) over the mark after inputs")
-    results = {
-        (w, t, b): run_worker("dflash.tools.bench.step", f"{w}/{t}/{b}", o)
-        for w in windows
-        for t in teachers
-        for b in budgets
-    }
+    variants = [(w, t, b, p) for w in windows for t in teachers for b in budgets for p in precisions]
+    results: dict[tuple, dict] = {}
+    for _ in range(int(o["rounds"])):  # the variants take turns, so a load change on the machine hits them all
+        for v in variants:
+            r = run_worker("dflash.tools.bench.step", "/".join(v), o)
+            if v in results:  # the best of the rounds: its times are every round's, its peak the largest
+                r = {
+                    **r,
+                    "times_s": results[v]["times_s"] + r["times_s"],
+                    "peak_mb": max(r["peak_mb"], results[v]["peak_mb"]),
+                }
+            results[v] = r
     print(
-        f"{'window':<8} {'teacher':<8} {'budget':>6} {'blocks':>13} {'keys/query':>10} {'mask':>22} {'peak MiB':>10} "
-        f"{'best s':>8} {'all s':>16} {'loss':>10}"
+        f"{'window':<8} {'teacher':<8} {'budget':>6} {'precision':>10} {'blocks':>13} {'keys/query':>10} {'mask':>22} "
+        f"{'peak MiB':>10} {'best s':>8} {'all s':>16} {'loss':>10}"
     )
-    for (w, t, b), r in results.items():
+    for (w, t, b, p), r in results.items():
         width = r["computed"] // len(lengths)  # the anchor tensor's width: the keys of full attention follow it
         keys = S + width * B if w == "none" or int(w) >= S else int(w) - 1 + B
         all_s = ", ".join(f"{x:.3f}" for x in r["times_s"])
         blocks = f"{r['blocks']}/{r['computed']}"  # trained / computed (the rest pad the anchor tensor)
         print(
-            f"{w:<8} {t:<8} {b:>6} {blocks:>13} {keys:>10} {r['mask']:>22} {r['peak_mb']:>10.0f} "
+            f"{w:<8} {t:<8} {b:>6} {p:>10} {blocks:>13} {keys:>10} {r['mask']:>22} {r['peak_mb']:>10.0f} "
             f"{min(r['times_s']):>8.3f} {all_s:>16} {r['loss']:>10.4f}"
         )
 
@@ -215,14 +240,16 @@ def bench(args: list[str]) -> None:
         memory, time_ = r["peak_mb"] / max(ref["peak_mb"], 1e-9), min(r["times_s"]) / min(ref["times_s"])
         print(f"{label}: peak memory {memory:.2f}x, time {time_:.2f}x")
 
-    for (w, t, b), r in results.items():
-        at = "" if b == "none" else f", budget {b}"
-        if w != "none" and ("none", t, b) in results:
-            ratio(f"window {w} / full ({t}{at})", r, results["none", t, b])
-        if t in ("online", "argmax") and (w, "logits", b) in results:
-            ratio(f"window {w}: {t} / logits{at}", r, results[w, "logits", b])
-        if b != "none" and (w, t, "none") in results:
-            ratio(f"budget {b} / per-row anchors (window {w}, {t})", r, results[w, t, "none"])
+    for (w, t, b, p), r in results.items():
+        bud, pre = ("" if b == "none" else f", budget {b}"), ("" if p == "fp32" else f", {p}")
+        if w != "none" and ("none", t, b, p) in results:
+            ratio(f"window {w} / full ({t}{bud}{pre})", r, results["none", t, b, p])
+        if t in ("online", "argmax") and (w, "logits", b, p) in results:
+            ratio(f"window {w}: {t} / logits{bud}{pre}", r, results[w, "logits", b, p])
+        if b != "none" and (w, t, "none", p) in results:
+            ratio(f"budget {b} / per-row anchors (window {w}, {t}{pre})", r, results[w, t, "none", p])
+        if p != "fp32" and (w, t, b, "fp32") in results:
+            ratio(f"{p} / fp32 (window {w}, {t}{bud})", r, results[w, t, b, "fp32"])
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["_worker"]:  # one window, in its own process

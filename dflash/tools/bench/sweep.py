@@ -170,11 +170,11 @@ def stage_costs(opts: dict, work: Path) -> dict[str, tuple[float, float]]:
     the probe's store is written under `work` (a new directory per call)."""
     import torch
 
+    from dflash.core.distributed import World
     from dflash.data.fingerprint import data_fingerprint
-    from dflash.distributed import World
     from dflash.model.build import build_drafter_config, init_drafter, resolve_mask_token_id
     from dflash.model.target import DTYPES, greedy_tokens
-    from dflash.sources import target_and_data, target_files
+    from dflash.runner.sources import target_and_data, target_files
     from dflash.tools.features import compose
     from dflash.train.feature_store import StoreReader, StoreWriter, manifest_for
     from dflash.train.trainer import DrafterTrainer, TargetForward, total_steps

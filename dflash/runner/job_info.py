@@ -6,7 +6,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash.secrets import redact
+from dflash.core.secrets import redact
 from dflash.tracking import default_job_name
 
 
@@ -49,7 +49,7 @@ def _swept_keys() -> set[str]:
     for arg in sys.argv[1:]:
         if "=" not in arg or arg.startswith("-"):
             continue
-        try:  # one at a time: a redacted secret (`key=<redacted>`, dflash.secrets) does not parse
+        try:  # one at a time: a redacted secret (`key=<redacted>`, dflash.core.secrets) does not parse
             keys.update(o.key_or_group for o in parser.parse_overrides([arg]) if o.is_sweep_override())
         except Exception:  # noqa: BLE001 - naming is cosmetic; never fail a job over it
             pass

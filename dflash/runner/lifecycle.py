@@ -14,15 +14,15 @@ import traceback
 import torch
 from omegaconf import DictConfig
 
-from dflash import interrupts
-from dflash.distributed import RankFailed, init_world, launch_identity
-from dflash.job_info import JobInfo, hydra_job_info
-from dflash.override_effects import warn_unused_overrides
-from dflash.resume import resume_config
-from dflash.run import train
-from dflash.rundir import RunDir, StatusFile
-from dflash.terminal import display, install_logging, uninstall_logging
-from dflash.validation import validate
+from dflash.core import interrupts
+from dflash.core.distributed import RankFailed, init_world, launch_identity
+from dflash.core.override_effects import warn_unused_overrides
+from dflash.core.rundir import RunDir, StatusFile
+from dflash.core.terminal import display, install_logging, uninstall_logging
+from dflash.core.validation import validate
+from dflash.runner.job_info import JobInfo, hydra_job_info
+from dflash.runner.resume import resume_config
+from dflash.runner.run import train
 
 log = logging.getLogger(__name__)
 

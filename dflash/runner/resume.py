@@ -12,10 +12,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from dflash.config import ConfigError
+from dflash.core.config import ConfigError
+from dflash.core.distributed import World
+from dflash.core.rundir import CONFIG_FILE, RunDir
 from dflash.data.fingerprint import differences
-from dflash.distributed import World
-from dflash.rundir import CONFIG_FILE, RunDir
 
 log = logging.getLogger(__name__)
 

@@ -12,19 +12,19 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from dflash.config import ConfigError
+from dflash.core.config import ConfigError
+from dflash.core.distributed import World, resolve_device
+from dflash.core.machine import slow_cpu_dtype
+from dflash.core.rundir import RunDir
 from dflash.data.corpus import jsonl_files
 from dflash.data.training_data import TrainingData
-from dflash.distributed import World, resolve_device
 from dflash.evaluation.evaluator import Evaluator
-from dflash.feature_build import build_store, check_long_enough
-from dflash.machine import slow_cpu_dtype
 from dflash.model.build import build_drafter_config, init_drafter, resolve_mask_token_id
 from dflash.model.families import configure_family
 from dflash.model.target import DTYPES, TargetHeads, TargetModel
-from dflash.resume import check_data_unchanged
-from dflash.rundir import RunDir
-from dflash.sources import target_and_data, target_files
+from dflash.runner.feature_build import build_store, check_long_enough
+from dflash.runner.resume import check_data_unchanged
+from dflash.runner.sources import target_and_data, target_files
 from dflash.tracking import CallbackList
 from dflash.train import faults
 from dflash.train.checkpoint import latest_checkpoint

@@ -15,19 +15,19 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from dflash import determinism
+from dflash.core import determinism
+from dflash.core.disk import disk_error
+from dflash.core.distributed import World
+from dflash.core.rundir import RunDir
+from dflash.core.secrets import redact
 from dflash.data.batches import rank_batches
-from dflash.disaggregated import FeatureSource, serve_target
-from dflash.disk import disk_error
-from dflash.distributed import World
-from dflash.finish import TrainResult, finish
-from dflash.job import Job, build_job
-from dflash.job_info import JobInfo
 from dflash.model.gguf_target import provenance as target_provenance
 from dflash.model.plan import run_headline
 from dflash.model.target import DTYPES
-from dflash.rundir import RunDir
-from dflash.secrets import redact
+from dflash.runner.disaggregated import FeatureSource, serve_target
+from dflash.runner.finish import TrainResult, finish
+from dflash.runner.job import Job, build_job
+from dflash.runner.job_info import JobInfo
 from dflash.tracking import CallbackList, RunInfo, build_callbacks
 from dflash.train.feature_store import StoreReader
 from dflash.train.pipeline import Pipeline

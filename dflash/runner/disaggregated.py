@@ -18,10 +18,10 @@ import psutil
 import torch
 from omegaconf import DictConfig
 
+from dflash.core.distributed import World
+from dflash.core.rundir import RunDir
 from dflash.data.batches import rank_slice
-from dflash.distributed import World
-from dflash.rundir import RunDir
-from dflash.sources import target_and_data, target_files
+from dflash.runner.sources import target_and_data, target_files
 from dflash.train.trainer import TargetForward
 from dflash.train.transport import Receiver, Sender, item_from_wire, item_to_wire
 

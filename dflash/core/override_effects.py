@@ -1,4 +1,7 @@
-"""Overrides that do nothing: a key the chosen loss, schedule or pipeline does not read (`config.READ_ONLY_BY`).
+"""Overrides that do nothing: a key the chosen loss, schedule, pipeline, optimizer, drafter family or W&B sink does
+not read (`config.READ_ONLY_BY`), or one another key turns off (`config.UNREAD_WHILE`: DSpark's markov_head_type
+under markov_rank=0). launch.py's W&B flags are such overrides too (`--wandb-project P` is
+`logging.wandb.project=P`), and are named in the message: under logging=jsonl they name no W&B run.
 
 A run warns once about each such key set on its command line (`warn_unused_overrides`, rank 0, against the config
 the job runs with: a resume's saved one). A multirun whose swept key no job reads is refused before its first
@@ -6,7 +9,8 @@ job (`SweepEffects`, a Hydra callback: conf/config.yaml): `-m loss.kl_temperatur
 (kl_weight 0) would run three identical jobs. Each job's options are composed as the sweeper will compose them
 (the sweep's values of the overrides that choose an option: groups, `loss.name`, `experiment`, ...), so
 `-m loss=kl_streak loss.streak_alpha=0,0.5` passes; a swept key some jobs read and others do not warns, naming
-the jobs that repeat each other.
+the jobs that repeat each other. A W&B key set (not swept) for a multirun none of whose jobs logs to W&B is refused
+too; one that some jobs do not read warns.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from dflash.config import OPTION_KEYS, READ_ONLY_BY, UNREAD_WHILE
+from dflash.core.cli_flags import NAME_FLAGS
+from dflash.core.config import OPTION_KEYS, READ_ONLY_BY, UNREAD_WHILE
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +40,37 @@ def _option(cfg, key: str) -> Any:
     return OmegaConf.select(cfg, OPTION_KEYS[_group(key)])
 
 
+def _label(group: str) -> str:
+    """How a message names a group's option: `loss=dpace` where the group's choice is its option, the key itself
+    where a value inside the group decides (`logging.wandb.mode=disabled`)."""
+    key = OPTION_KEYS[group]
+    return group if key.count(".") == 1 else key
+
+
+def _value(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _turned_on(other: str, off: Any) -> str:
+    """What turns a switch on: `loss.kl_weight > 0`, `drafter.confidence_head=true`."""
+    return f"{other}={_value(not off)}" if isinstance(off, bool) else f"{other} > {_value(off)}"
+
+
+# the fix, where the option is chosen by another key than the one the message names
+_TURN_ON = {"logging": ": logging=wandb turns W&B on"}
+
+
 def why_unread(cfg, key: str, switch: bool = True) -> str | None:
     """Why `cfg`'s job does not read `key` (None: it does): its option, or (`switch`) the key that turns it off."""
-    group, option, readers = _group(key), _option(cfg, key), READ_ONLY_BY[key]
+    label, option, readers = _label(_group(key)), _option(cfg, key), READ_ONLY_BY[key]
     if option not in readers:
-        also = f" with {UNREAD_WHILE[key][0]} > {UNREAD_WHILE[key][1]:g}" if key in UNREAD_WHILE else ""
-        return f"{group}={option} does not read it (only {' or '.join(f'{group}={r}' for r in readers)}{also})"
+        also = f" with {_turned_on(*UNREAD_WHILE[key])}" if key in UNREAD_WHILE else ""
+        hint = _TURN_ON.get(_group(key), "")
+        return f"{label}={option} does not read it (only {' or '.join(f'{label}={r}' for r in readers)}{also}{hint})"
     if switch and key in UNREAD_WHILE:
         other, off = UNREAD_WHILE[key]
         if OmegaConf.select(cfg, other) == off:
-            return f"{other}={off:g} turns off what it scales ({group}={option}; set {other} > {off:g})"
+            return f"{other}={_value(off)} turns it off ({label}={option}; set {_turned_on(other, off)})"
     return None
 
 
@@ -54,13 +80,20 @@ def _key_and_value(override: str) -> tuple[str, str] | None:
     return (key, value) if sep and not key.startswith("~") else None
 
 
+def _flag(key: str) -> str:
+    """` (--wandb-project)` for a key one of launch.py's W&B flags sets (the override it became), else ``."""
+    flags = [flag for flag, flag_key in NAME_FLAGS.items() if flag_key == key]
+    return f" ({flags[0]})" if flags else ""
+
+
 def unused_overrides(cfg, overrides) -> list[str]:
-    """One line per override of `overrides` (`key=value`, as typed) whose key `cfg`'s job does not read."""
+    """One line per override of `overrides` (`key=value`, as typed or as a W&B flag became one) whose key `cfg`'s
+    job does not read."""
     found = []
     for override in overrides:
         key_value = _key_and_value(override)
         if key_value and key_value[0] in READ_ONLY_BY and (why := why_unread(cfg, key_value[0])):
-            found.append(f"{key_value[0]}={key_value[1]} has no effect: {why}")
+            found.append(f"{key_value[0]}={key_value[1]}{_flag(key_value[0])} has no effect: {why}")
     return found
 
 
@@ -125,7 +158,8 @@ def _combinations(config: DictConfig, overrides: dict) -> list[tuple[dict, DictC
 def sweep_problems(config: DictConfig) -> tuple[list[str], list[str]]:
     """(refusals, warnings) for the multirun `config` is of: a swept key no job reads, one some jobs do not."""
     overrides = _sweep_overrides(config)
-    watched = [k for k, o in overrides.items() if o.is_sweep_override() and k in READ_ONLY_BY]
+    # swept keys, and a sink's keys set for every job (--wandb-project P under logging=jsonl names no W&B run)
+    watched = [k for k, o in overrides.items() if k in READ_ONLY_BY and (o.is_sweep_override() or _sink(k))]
     if not watched:
         return [], []
     combos = _combinations(config, overrides)
@@ -138,15 +172,30 @@ def sweep_problems(config: DictConfig) -> tuple[list[str], list[str]]:
         switch = UNREAD_WHILE.get(key, ("",))[0] not in continuous
         whys = [why_unread(c, key, switch) for _, c in combos]
         shown = overrides[key].input_line.split("=", 1)[1]
-        if all(whys):
+        if not overrides[key].is_sweep_override():
+            set_ = f"{key}={shown}{_flag(key)} is set but"
+            if all(whys):
+                refusals.append(f"{set_} no job reads it: {whys[0]}")
+            elif any(whys):
+                warnings.append(
+                    f"{set_} the jobs with {_jobs(combos, whys)} do not read it ({next(w for w in whys if w)})"
+                )
+        elif all(whys):
             refusals.append(f"{key} is swept ({shown}) but no job reads it: {whys[0]}")
         elif any(whys):
-            jobs = sorted({_describe(chosen) for (chosen, _), why in zip(combos, whys) if why})
             warnings.append(
-                f"{key} is swept ({shown}) but the jobs with {' / '.join(jobs)} do not read it: those jobs repeat "
+                f"{key} is swept ({shown}) but the jobs with {_jobs(combos, whys)} do not read it: those jobs repeat "
                 f"each other over its values ({next(w for w in whys if w)})"
             )
     return refusals, warnings
+
+
+def _sink(key: str) -> bool:
+    return _group(key) == "logging"
+
+
+def _jobs(combos: list, whys: list) -> str:
+    return " / ".join(sorted({_describe(chosen) for (chosen, _), why in zip(combos, whys) if why}))
 
 
 def _describe(chosen: dict) -> str:
@@ -161,8 +210,8 @@ class SweepEffects(Callback):
         refusals, warnings = sweep_problems(config)
         if refusals:
             raise SystemExit(
-                "error: " + "; ".join(refusals) + ". Every value of such a key runs the same job: sweep it with "
-                "an option that reads it, or leave it out of the sweep"
+                "error: " + "; ".join(refusals) + ". Such a key changes no job (swept: every value runs the same "
+                "job): set it with an option that reads it, or leave it out of the sweep"
             )
         if os.environ.get("RANK", "0") == "0":  # torchrun: every rank runs the multirun; one says it
             for line in warnings:

@@ -21,7 +21,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from dflash.jsonio import json_safe, write_text_atomic
+from dflash.core.jsonio import json_safe, write_text_atomic
 
 log = logging.getLogger(__name__)
 

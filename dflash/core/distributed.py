@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dflash.config import ConfigError
+from dflash.core.config import ConfigError
 
 log = logging.getLogger(__name__)
 

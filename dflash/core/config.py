@@ -24,7 +24,7 @@ class ConfigError(ValueError):
 
 
 # conf/ beside the package (launch.py composes it; benchmarks and tests compose it too)
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 # Allowed values: the one home of each list. validate() checks against them; the modules that dispatch on
 # them and the CLIs import them from here.
@@ -33,11 +33,12 @@ DRAFTER_NAMES = ("dflash", "dspark", "dflash2")  # dflash/model/families/
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 SCHEDULE_NAMES = ("cosine", "constant", "wsd")
 OPTIM_NAMES = ("adamw", "muon")
+PRECISION_NAMES = ("fp32", "bf16-mixed")  # train.precision, named as Lightning's `precision=` names them
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 ATTENTION_NAMES = ("auto", "sdpa", "flex")
 BUILD_KINDS = ("none", "tiny", "tiny_random", "tiny_chat", "random", "gguf_wheel")
 WANDB_MODES = ("online", "offline", "disabled")
-DATA_NAMES = ("stdlib", "jsonl")
+DATA_NAMES = ("stdlib", "jsonl", "tokens")
 BAD_RECORD_POLICIES = ("fail", "skip")
 PIPELINE_MODES = ("async", "sync")
 PARALLEL_NAMES = ("single", "ddp", "fsdp")
@@ -47,7 +48,7 @@ BACKENDS = ("auto", "nccl", "gloo")
 # (_kl_coefficients, _uses_kl), model/loss_weights.py (position_weights), train/schedules.py (lr_at),
 # train/pipeline.py and run.py (sync: one thread, no queues, one target worker). An override of one that the chosen
 # option does not read warns, naming the option that would; a sweep over one that no job reads is refused
-# (dflash/override_effects.py). A group's option is the value of its key in OPTION_KEYS.
+# (dflash/core/override_effects.py). A group's option is the value of its key in OPTION_KEYS.
 OPTION_KEYS = {"loss": "loss.name", "schedule": "schedule.name", "pipeline": "pipeline.mode", "optim": "optim.name"}
 READ_ONLY_BY = {
     "loss.decay_gamma": ("ce_decay", "kl", "kl_streak"),
@@ -67,8 +68,9 @@ READ_ONLY_BY = {
     "optim.muon_adjust_lr": ("muon",),
     "optim.muon_exclude": ("muon",),
 }
-# ... and read only while another key is not at a value: the temperature scales the KL term, which kl_weight 0 drops
-UNREAD_WHILE = {"loss.kl_temperature": ("loss.kl_weight", 0.0)}
+# ... and read only while another key is not at a value: kl_weight 0 drops the KL term, markov_rank 0 the Markov head
+UNREAD_WHILE = {"loss.kl_temperature": ("loss.kl_weight", 0.0), "drafter.markov_head_type": ("drafter.markov_rank", 0)}
+UNREAD_WHILE["drafter.confidence_head_with_markov"] = ("drafter.confidence_head", False)  # no head, no Markov input
 # the drafter families (dflash/model/families/): a family's own keys are read by that family only
 OPTION_KEYS["drafter"] = "drafter.name"
 READ_ONLY_BY.update(
@@ -84,6 +86,10 @@ READ_ONLY_BY.update(
         "drafter.selector_top_k": ("dflash2",),
     }
 )
+# W&B's keys (dflash/tracking/) are read only while W&B is on: logging=jsonl and --no-wandb turn it off
+OPTION_KEYS["logging"] = "logging.wandb.mode"
+_WANDB_KEYS = ("project", "entity", "name", "group", "job_type", "tags", "stats_interval_s", "init_timeout_s")
+READ_ONLY_BY.update({f"logging.wandb.{k}": ("online", "offline") for k in (*_WANDB_KEYS, "finish_timeout_s")})
 
 # z-lab's per-block-size default for the position decay (paper App. A.1); other sizes interpolate.
 DEFAULT_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -125,6 +131,9 @@ class TinyBuildConfig:
 class ModelConfig:
     name: str = MISSING
     target: str = MISSING  # HF hub name or local path of the target causal LM
+    # the target's hub name and license for the export's model card (drafter/README.md); null: model.target, "other"
+    base_model: str | None = None
+    license: str | None = None
     block_size: int = 8  # tokens per drafted block, anchor included (SGLang num-draft-tokens)
     num_draft_layers: int = 2
     target_layer_ids: list[int] | None = None  # null = z-lab spread from layer 1 to L-3
@@ -246,8 +255,8 @@ class RegenerateConfig:
 
 @dataclass
 class DataConfig:
-    name: str = MISSING  # stdlib | jsonl
-    path: str | None = None  # jsonl: a .jsonl or .json (array) file, a directory of them, or a glob
+    name: str = MISSING  # stdlib | jsonl | tokens
+    path: str | None = None  # jsonl: .jsonl or .json (array) files (a file, a directory, a glob); tokens: .npz files
     on_bad_record: str = "fail"  # fail | skip (counted by reason: data/skipped/<reason>)
     holdout_fraction: float = 0.05  # share of stdlib files / last jsonl records kept out of training (eval prompts)
     max_files: int | None = None  # stdlib: cap on source files read (null = all)
@@ -299,6 +308,7 @@ class EvalConfig:
 class TrainConfig:
     max_steps: int = 1000
     max_tokens: int | None = None  # stop after this many target tokens (null = steps only)
+    max_minutes: float | None = None  # end `completed` after this many minutes of training (train/time_budget.py)
     batch_size: int = 4
     seq_len: int = 256
     num_anchors: int = 32
@@ -314,7 +324,11 @@ class TrainConfig:
     weight_decay: float | None = None
     betas: list[float] | None = None
     max_bad_steps: int = 10
-    deterministic: bool = False  # deterministic algorithms and one CPU thread per stage (dflash/determinism.py)
+    deterministic: bool = False  # deterministic algorithms and one CPU thread per stage (dflash/core/determinism.py)
+    # fp32 | bf16-mixed: the drafter's forward and loss under bfloat16 autocast, the LM head's matmuls in bfloat16,
+    # weights, gradients and optimizer state in model.dtype (float32); on a CPU without fast bfloat16 kernels it
+    # falls back to fp32 with one warning (dflash/train/precision.py)
+    precision: str = "fp32"
 
 
 @dataclass

@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
-from dflash.config import ConfigError
+from dflash.core.config import ConfigError
 
 PRINT_ONLY = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc")
 MULTIRUN = ("-m", "--multirun")
@@ -48,7 +48,7 @@ def check_launch(argv: list[str], config_dir: Path) -> None:
 def _check_config(cfg, multirun: bool) -> None:
     if not multirun:  # a sweep's jobs may differ in what validate() checks
         try:
-            from dflash.validation import validate
+            from dflash.core.validation import validate
 
             validate(cfg)
         except ConfigError as e:

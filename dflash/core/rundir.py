@@ -13,7 +13,7 @@
 
 Writers go through `RunDir` (whose `read_*` methods serve the run and `evaluate`); `load_run` / `find_runs` are
 the readers of `compare` and `sweep`.
-Every reader is lenient (`dflash.jsonio.read_json`): a file cut short by a killed process reads as missing.
+Every reader is lenient (`dflash.core.jsonio.read_json`): a file cut short by a killed process reads as missing.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from dflash.jsonio import (
+from dflash.core.jsonio import (
     is_number,
     iter_jsonl,
     json_safe,
@@ -44,8 +44,8 @@ from dflash.jsonio import (
     write_json,
     write_text_atomic,
 )
-from dflash.machine import device_info
-from dflash.secrets import redact, scrub_json, scrub_text
+from dflash.core.machine import device_info
+from dflash.core.secrets import redact, scrub_json, scrub_text
 
 CONFIG_FILE = "config_resolved.yaml"
 RUN_INFO_FILE = "run.json"
@@ -119,7 +119,7 @@ class RunDir:
             "overrides": redact(list(overrides)),
             "choices": dict(choices),
             "cwd": os.getcwd(),
-            "git": git_info(Path(__file__).resolve().parent.parent),
+            "git": git_info(Path(__file__).resolve().parents[2]),
             "packages": package_versions(),
             "host": socket.gethostname(),
             "platform": platform.platform(),
@@ -360,7 +360,11 @@ def _final_metrics(path: Path) -> dict[str, Any]:
     return metrics
 
 
-BENCH_COLUMNS = ("tau", "tau_pooled", "speedup", "tau_lookup", "lossless", "num_prompts", "degenerate")
+# tau's 95% interval and the paired difference from prompt lookup: dflash/evaluation/intervals.py
+BENCH_COLUMNS = (
+    "tau", "tau_pooled", "speedup", "tau_lookup", "lossless", "num_prompts", "degenerate", "tau_ci95_low",
+    "tau_ci95_high", "tau_minus_lookup", "tau_minus_lookup_ci95_low", "tau_minus_lookup_ci95_high",
+)  # fmt: skip
 
 
 def bench_column_name(suite: str) -> str:

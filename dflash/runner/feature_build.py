@@ -25,16 +25,17 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from dflash import determinism
+from dflash.core import determinism
+from dflash.core.disk import check_free, mib
+from dflash.core.distributed import RankFailed, World, resolve_device
+from dflash.core.terminal import display
 from dflash.data.fingerprint import data_fingerprint
-from dflash.disk import check_free, mib
-from dflash.distributed import RankFailed, World, resolve_device
 from dflash.model.target import greedy_tokens
-from dflash.sources import target_and_data, target_files
-from dflash.terminal import display
+from dflash.runner.sources import target_and_data, target_files
 from dflash.train.feature_store import (
     StoreMismatch,
     StoreWriter,
+    check_manifest,
     manifest_for,
     store_bytes_per_token,
     store_path,
@@ -110,6 +111,7 @@ def _ready(store: Path, manifest: dict, cfg: DictConfig, world: World, needed: i
     written (a longer build raises its num_batches), torn shards removed and the room checked, before any rank
     writes."""
     if stored_batches(store) >= batches:
+        check_manifest(store, manifest)  # complete, but for these settings? (an explicit features.path may not be)
         return True
     if world.is_main:
         writer = StoreWriter(store, manifest, cfg.features.shard_batches)  # the setup: manifest, *.tmp

