@@ -16,6 +16,7 @@ from dflash.core.config import (
     DATA_NAMES,
     DRAFTER_NAMES,
     DTYPE_NAMES,
+    LABEL_SOURCES,
     LOSS_NAMES,
     MARKOV_HEAD_TYPES,
     OPTIM_NAMES,
@@ -111,6 +112,7 @@ def validate(cfg: DictConfig | Config) -> None:
     _check(0.0 <= lo.streak_alpha <= 1.0, "loss.streak_alpha", lo.streak_alpha, "must be in [0, 1] (0 = decay only)")
     _check(0.0 <= lo.dpace_alpha <= 1.0, "loss.dpace_alpha", lo.dpace_alpha, "must be in [0, 1]")
     _check(lo.chunk_size >= 1, "loss.chunk_size", lo.chunk_size, "must be >= 1")
+    _one_of("loss.labels", lo.get("labels", "data"), LABEL_SOURCES)
     _validate_drafter(c)
 
     s = c.schedule
@@ -276,6 +278,12 @@ def _validate_drafter(c) -> None:
         "loss.tv_weight",
         lo.tv_weight,
         f"the total-variation term is DSpark's: it needs drafter=dspark (drafter={d.name}'s fused loss has none)",
+    )
+    _check(
+        lo.get("labels", "data") == "data" or d.name != "dspark",
+        "loss.labels",
+        lo.get("labels"),
+        "drafter=dspark trains on the text's tokens (its Markov head conditions on them): use loss.labels=data",
     )
     has_confidence = d.name == "dspark" and d.confidence_head
     if lo.confidence_weight is not None:

@@ -124,10 +124,14 @@ def drafted_hidden(drafter: DFlashDraftModel, out: torch.Tensor, bsz: int, n: in
     return out.view(bsz, n, slots, -1)[:, :, first:].reshape(bsz * n, block_size - 1, -1)
 
 
-def previous_tokens(blocks: TrainingBlocks, input_ids: torch.Tensor) -> torch.Tensor:
-    """[N, B-1]: the token before each drafted one (the anchor, then the labels): what a Markov head conditions on."""
+def previous_tokens(
+    blocks: TrainingBlocks, input_ids: torch.Tensor, labels: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[N, B-1]: the token before each drafted one (the anchor, then the labels: `labels` [N, B-1] where given, else
+    the text's): what a Markov head or DFlash2's selector conditions on."""
     anchor_tokens = torch.gather(input_ids, 1, blocks.anchors)  # (bsz, N)
-    prev = torch.cat([anchor_tokens[:, :, None], blocks.labels[:, :, :-1]], dim=-1)
+    labels = blocks.labels if labels is None else labels.view(blocks.labels.shape)
+    prev = torch.cat([anchor_tokens[:, :, None], labels[:, :, :-1]], dim=-1)
     return prev.reshape(-1, prev.shape[-1])
 
 
@@ -150,7 +154,7 @@ def target_argmax(
     bsz, n, width = positions.shape
     if stored is not None:
         return torch.gather(stored, 1, positions.reshape(bsz, -1)).view(bsz * n, width)
-    if loss_uses_kl(loss_cfg.name, loss_cfg.kl_weight):
+    if loss_uses_kl(loss_cfg.name, loss_cfg.kl_weight) and loss_cfg.get("labels", "data") == "data":
         return None
     valid = blocks.label_valid
     return greedy_tokens_at(last_hidden, positions, valid, lm_head_weight, loss_cfg.chunk_size).view(bsz * n, width)
@@ -184,11 +188,15 @@ def family_loss(
         weight_denominator=weight_denominator,
     )
     labels, valid = blocks.labels.reshape(n, block_size - 1), blocks.label_valid.reshape(n, block_size - 1)
+    if loss_cfg.get("labels", "data") == "target":  # the target's argmax as the hard label (validation: not DSpark)
+        if target_next is None:
+            raise ValueError("loss.labels=target needs the target's argmax (target_argmax) at the drafted positions")
+        labels = target_next.reshape(n, block_size - 1)
     if isinstance(drafter, DFlash2DraftModel):  # the unary loss is DFlash's; the selector's k-way CE beside it
         out = dflash_loss(draft_hidden, labels, valid, lm_head_weight, target_next=target_next, **common)
         gamma = default_decay_gamma(block_size) if loss_cfg.decay_gamma is None else loss_cfg.decay_gamma
         sel = selector_loss(
-            draft_hidden, previous_tokens(blocks, input_ids), valid, lm_head_weight, teacher_hidden,
+            draft_hidden, previous_tokens(blocks, input_ids, labels), valid, lm_head_weight, teacher_hidden,
             drafter.candidate_selector, block_size, gamma, loss_cfg.chunk_size, weight_denominator, target_next,
         )  # fmt: skip
         weight = 1.0 if loss_cfg.get("selector_weight") is None else loss_cfg.selector_weight
