@@ -26,8 +26,7 @@ class ConfigError(ValueError):
 # conf/ beside the package (launch.py composes it; benchmarks and tests compose it too)
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
-# Allowed values: the one home of each list. validate() checks against them; the modules that dispatch on
-# them and the CLIs import them from here.
+# Allowed values: the one home of each list (validate() checks them; the dispatching modules and CLIs import them).
 LOSS_NAMES = ("ce_decay", "kl", "kl_streak", "dpace")
 LABEL_SOURCES = ("data", "target")  # loss.labels
 DRAFTER_NAMES = ("dflash", "dspark", "dflash2")  # dflash/model/families/
@@ -168,9 +167,7 @@ class LossConfig:
     streak_alpha: float = 0.0  # kl_streak's mix of the streak multiplier (0.5 there); 0 = plain decay
     dpace_alpha: float = 0.5  # dpace's confidence smoothing q~ = (1 - alpha) q + alpha (the peers' default)
     chunk_size: int = 256  # positions per fused LM-head + loss chunk
-    # the hard labels: `data` (the text's next tokens) or `target` (the target's argmax after each position: the
-    # target's own choice also on text it did not write, e.g. ShareGPT's original answers; dflash, dflash2)
-    labels: str = "data"
+    labels: str = "data"  # the hard labels: the text's next tokens, or `target`: the target's argmax
     # DSpark's terms beside the above (drafter=dspark; model/families/dspark_loss.py): the total variation between
     # the draft's and the target's distributions (1 - the rejection-sampling acceptance rate), weighted like CE
     tv_weight: float = 0.0
