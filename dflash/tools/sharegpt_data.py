@@ -7,9 +7,9 @@ answer, each cut to 1,500 characters) of the first `--records` usable conversati
 into OUT/prompts.jsonl (the original answers: what a drafter trained without regeneration sees), and has the
 target answer every user turn again with its chat template (`dflash.regenerate`'s hf backend, batched, greedy,
 resumable; on the experiment's `model.device` in its `model.dtype`, as the run's target computes): OUT/regen.jsonl,
-what the experiment trains on. These records come before the ones the embedded chat target was pretrained on
-(model/tiny_chat.CHAT_FIRST_RECORD) and long before the `sharegpt` benchmark suite's held-out conversations at the
-end of the file.
+what the experiment trains on. These records come before the `sharegpt` benchmark suite's held-out conversations
+at the end of the file (model/tiny_chat.CHAT_LAST_RECORD), and for the embedded chat target before the ones it was
+pretrained on (CHAT_FIRST_RECORD).
 
 `--data original` trains on ShareGPT's own answers of the first `--original-records` exchanges instead (no
 generation: OUT/original-N.jsonl); `--data mix` on the regenerated answers of the first `--records` exchanges and
@@ -30,7 +30,13 @@ from pathlib import Path
 from dflash.core.config import CONF_DIR, register_configs
 from dflash.core.jsonio import write_text_atomic
 from dflash.model.tiny import ensure_target
-from dflash.model.tiny_chat import CHAT_FIRST_RECORD, MAX_TURN_CHARS, sharegpt_exchanges, sharegpt_path
+from dflash.model.tiny_chat import (
+    CHAT_FIRST_RECORD,
+    CHAT_LAST_RECORD,
+    MAX_TURN_CHARS,
+    sharegpt_exchanges,
+    sharegpt_path,
+)
 from dflash.tools import sharegpt_mix
 from dflash.tools.regen_backends import GenerationSettings, HFBackend
 from dflash.tools.regenerate import Outcome, failures_path, input_identity, read_cost, regenerate_file, settings_path
@@ -49,10 +55,16 @@ def compose(experiment: str, overrides: Sequence[str]):
         return hydra_compose(config_name="config", overrides=[f"experiment={experiment}", *overrides])
 
 
-def exchanges(count: int, source=None) -> list[list[dict]]:
-    """The first exchanges of the first `count` usable conversations (before the chat target's own records)."""
+def last_record(cfg) -> int:
+    """The last ShareGPT record a drafter's data may take: the embedded chat target was pretrained on the records
+    from CHAT_FIRST_RECORD on, so its data stops before them; any other target's before the sharegpt suite's."""
+    return CHAT_FIRST_RECORD - 1 if cfg.model.name == "tiny_chat" else CHAT_LAST_RECORD
+
+
+def exchanges(count: int, source=None, last: int = CHAT_FIRST_RECORD - 1) -> list[list[dict]]:
+    """The first exchanges of the first `count` usable conversations, none past record `last`."""
     try:
-        return sharegpt_exchanges(1, count, path=source, last=CHAT_FIRST_RECORD - 1)
+        return sharegpt_exchanges(1, count, path=source, last=last)
     except ValueError as e:  # past the chat target's records: one line naming the fix
         raise SystemExit(
             f"error: {e}; ask for fewer records (--records plus --original-records with --data mix)"
@@ -129,7 +141,8 @@ def make_data(argv: Sequence[str] | None = None) -> DataMade:
     regenerated = 0 if args.data == "original" else args.records
     first_original = regenerated if args.data == "mix" else 0
     cpu0, wall0 = time.process_time(), time.monotonic()
-    rows = exchanges(max(regenerated, first_original + (originals if args.data != "regenerated" else 0)), args.source)
+    wanted = max(regenerated, first_original + (originals if args.data != "regenerated" else 0))
+    rows = exchanges(wanted, args.source, last_record(cfg))
     read = {"cpu_s": time.process_time() - cpu0, "wall_s": time.monotonic() - wall0}
     regen, outcome = out / args.regen_name, None
     if regenerated:
