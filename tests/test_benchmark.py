@@ -221,6 +221,18 @@ def test_benchmark_packaged_suites_on_a_trained_drafter(tmp_path, cache_dir, tin
     assert benchmark.main([str(run_dir), "--replay"]) == 0
     assert "sharegpt@T0: 4/4 generations give the recorded acceptance lengths" in capsys.readouterr().out
 
+    # --traces: every prompt by replay over the target's cached greedy outputs gives full decoding's acceptances
+    traced = tmp_path / "traced"
+    assert benchmark.main([*args, "--traces", "--out", str(traced), "--wandb", "off"]) == 0
+    replayed = json.loads((traced / "benchmarks.json").read_text())["results"]
+    for key in ("humaneval@T0", "sharegpt@T0"):
+        assert replayed[key]["settings"]["replay"] is True
+        got = [g["accept_lengths"] for g in replayed[key]["generations"]]
+        assert got == [g["accept_lengths"] for g in data["results"][key]["generations"]]
+        assert replayed[key]["metrics"]["tau"] == data["results"][key]["metrics"]["tau"]
+    assert any((cache_dir / "replay").iterdir())  # the run's cache: its evals and this command share the traces
+    assert benchmark.main([*args, "--traces", "--temperature", "0,1", "--out", str(traced)]) == 2
+
     # resume: results with the same settings are kept, not decoded again
     calls = []
     monkeypatch.setattr(runner, "run_suite", lambda *a, **k: calls.append(a) or {})

@@ -49,11 +49,18 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="decode benchmarks.json's recorded temperature-0 prompts again; exit 1 if any acceptance sequence differs",
     )
+    ap.add_argument(
+        "--traces",
+        action="store_true",
+        help="tau by replay over the target's greedy outputs, decoded once and cached as eval.replay caches them "
+        "(a run directory: its target in its model.dtype; temperature 0; no speed); makes every prompt affordable",
+    )
     return ap.parse_args(argv)
 
 
 def _load(args):
     """(target model, drafter, tokenizer, target name, drafter source, run config or None)."""
+    import torch
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -81,6 +88,8 @@ def _load(args):
         raise ValueError(f"{path}: no target recorded; pass --target PATH_OR_HUB_NAME")
     check_target_exists(str(target))
     device = resolve_device(args.device)
+    if args.traces and run_cfg is not None:  # the dtype the run's traces were (or will be) decoded in, as its eval
+        drafter = drafter.to(getattr(torch, run_cfg.model.dtype))
     drafter = drafter.to(device).eval()
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=module_dtype(drafter)).to(device).eval()
     check_drafter_against(drafter.config, target_config=model.config)
@@ -101,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.replay:
             return _replay(model, drafter, out)
         cache_dir = args.cache_dir or (OmegaConf.select(run_cfg, "paths.cache_dir") if run_cfg is not None else None)
+        traces = _trace_cache(args, run_cfg, target, drafter, cache_dir) if args.traces else None
         data = run_benchmarks(
             model,
             drafter,
@@ -117,6 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cache_dir=cache_dir or os.environ.get("DFLASH_CACHE_DIR"),
             lookup=not args.no_lookup,
             info={"drafter": str(args.path), "target": target, "device": str(model.device)},
+            trace_cache=traces,
         )
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -154,6 +165,24 @@ def _log_to_wandb(run_cfg, run_path: Path, data: dict) -> None:
     callback.on_run_start(info)
     callback.on_benchmarks(int(meta.get("step", 0)), data)
     callback.on_run_end("completed", bench_metrics(data))
+
+
+def _trace_cache(args, run_cfg, target: str, drafter, cache_dir):
+    """eval.replay's traces of the run's target at this command's settings (shared with its training-time evals
+    where they agree: the same target files, max new tokens, block size, layers and dtype)."""
+    from omegaconf import OmegaConf
+
+    from dflash.evaluation.evaluator import trace_cache_for
+
+    if run_cfg is None:
+        raise ValueError(f"{args.path}: --traces needs a run directory (its target and dtype key the traces)")
+    if any(float(t) != 0.0 for t in args.temperature.split(",")):
+        raise ValueError("--traces replays greedy decoding only: use --temperature 0")
+    settings = {"max_new_tokens": args.max_new_tokens}
+    cfg = OmegaConf.merge(run_cfg, {"eval": settings, "model": {"target": target}, "paths": {"cache_dir": cache_dir}})
+    if args.block_size:
+        cfg.model.block_size = args.block_size
+    return trace_cache_for(cfg, drafter.target_layer_ids)
 
 
 def _replay(model, drafter, out: Path) -> int:
