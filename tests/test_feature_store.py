@@ -74,6 +74,13 @@ def test_the_store_reads_in_the_oldest_supported_transformers_environment(store,
     assert {"input_ids", "loss_mask", "target_hidden", "last_hidden"} <= set(read["tensors"]), read["tensors"]
 
 
+def test_a_build_without_a_terminal_logs_its_progress(tmp_path, cache_dir, tiny_target):
+    """make real's store phase ran 37 minutes with no line in its log: without a terminal the display's progress
+    is log lines, and the CLI now shows them."""
+    proc = build([*SETTINGS, "train.max_steps=4", f"features.path={tmp_path / 'store'}"], cache_dir)
+    assert "features: started (4 to do)" in proc.stderr and "4 batches written" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_a_store_of_other_settings_is_refused_naming_the_key(store, tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     args = [*SETTINGS, "features=store", f"features.path={store}", "model.target_layer_ids=[1,3]"]

@@ -6,6 +6,7 @@ train.seed, features.dtype, features.path). `--dry-run` prints the bytes it will
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_intermixed_args(argv)
     cfg = compose(args.overrides)
     validate(cfg)
+    # progress as log lines where stderr is no terminal (make real's phase, a SLURM log): a long build is not silent
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_logging()
     if args.dry_run:
         files = target_files(cfg, World())
