@@ -355,6 +355,8 @@ def test_the_bench_line_names_which_prompt_lookup_figure_it_shows():
 
     metrics = {"tau": 4.7, "tau_pooled": 4.24, "speedup": 1.5, "tau_lookup": 3.5, "num_prompts": 20.0}
     assert "prompt lookup 3.500 (z-lab's mean, as tau)" in _summary(metrics)
+    assert "speedup 1.50x" in _summary(metrics)
+    assert "no speed (replayed)" in _summary({**metrics, "speedup": float("nan")})  # was "speedup nanx"
 
 
 def test_a_run_names_the_suites_that_did_not_run_in_its_summary(tmp_path, monkeypatch):
