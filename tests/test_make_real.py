@@ -151,7 +151,7 @@ def test_another_default_trains_anew(fake, monkeypatch):
 def test_other_data_trains_anew(fake):
     make_real.main(fake.args)
     first = _trained_in(fake.calls)
-    (fake.out / "regen.jsonl").write_text('{"messages": [{"role": "user", "content": "more"}]}\n')
+    (fake.out / "original-5000.jsonl").write_text('{"messages": [{"role": "user", "content": "more"}]}\n')
     fake.calls.clear()
     make_real.main(fake.args)
     assert _trained_in(fake.calls) != first
@@ -173,7 +173,7 @@ def test_the_data_phase_gets_the_runs_device_and_dtype(fake):
     """#48: the data phase regenerated on the CPU with `--dtype auto` whatever the run's model.device and
     model.dtype; now it gets the overrides alone (sharegpt_data takes both from them), and answers of another dtype
     go to a file of their own."""
-    make_real.main([*fake.args, "model.device=cuda", "model.dtype=bfloat16"])
+    make_real.main([*fake.args, "--data", "regenerated", "model.device=cuda", "model.dtype=bfloat16"])
     argv = fake.state["data_argv"]
     assert "--dtype" not in argv and "--device" not in argv
     assert argv[-2:] == ["model.device=cuda", "model.dtype=bfloat16"]
@@ -256,3 +256,17 @@ def test_answers_of_other_settings_stop_make_real_in_one_line(fake):
     with pytest.raises(SystemExit, match=r"^error: regen.jsonl holds 400 answers made with other settings"):
         make_real.main(fake.args)
     assert _phases(fake.out)["data"]["result"] == "failed" and not fake.calls  # no store built, nothing trained
+
+
+def test_the_default_trains_on_5000_originals_labelled_by_the_target(fake):
+    """#46: at equal CPU time ShareGPT's answers labelled by the target were ahead of regenerated ones, so they are
+    make real's default; `--data regenerated` keeps its own default size."""
+    assert (make_real.parse_args([]).data, make_real.parse_args([]).records) == ("original", 5000)
+    assert make_real.parse_args(["--data", "regenerated"]).records == 1200
+    assert make_real.parse_args(["--data", "original", "--records", "300"]).records == 300
+    make_real.main(fake.args)
+    assert fake.state["data_argv"][fake.state["data_argv"].index("--records") + 1] == "5000"
+    assert f"data.path={fake.out / 'original-5000.jsonl'}" in _launch(fake.calls)
+    cfg = make_real.sharegpt_data.compose(make_real.EXPERIMENT, [])
+    assert (cfg.data.path, cfg.loss.labels, cfg.train.max_steps) == ("outputs/smollm2_sharegpt/original-5000.jsonl",
+                                                                     "target", 2000)  # fmt: skip

