@@ -289,7 +289,8 @@ def _data_versions() -> dict[str, str | None]:
 
 
 def _summary(m: dict) -> str:
-    speed = f"speedup {m['speedup']:.2f}x" if m.get("speedup") == m.get("speedup") else "no speed (replayed)"
+    replayed = m.get("speedup") is None or math.isnan(m["speedup"])  # replay decodes nothing: no speed
+    speed = "no speed (replayed)" if replayed else f"speedup {m['speedup']:.2f}x"
     parts = [f"tau {m['tau']:.3f} (pooled {m['tau_pooled']:.3f})", speed]
     if "tau_lookup" in m:  # named as computed: the eval line's prompt lookup is pooled over cycles instead
         parts.insert(1, f"prompt lookup {m['tau_lookup']:.3f} (z-lab's mean, as tau)")

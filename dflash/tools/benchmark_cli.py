@@ -88,7 +88,11 @@ def _load(args):
         raise ValueError(f"{path}: no target recorded; pass --target PATH_OR_HUB_NAME")
     check_target_exists(str(target))
     device = resolve_device(args.device)
-    if args.traces and run_cfg is not None:  # the dtype the run's traces were (or will be) decoded in, as its eval
+    if args.traces:  # refused before the target loads; the dtype the run's traces are decoded in, as its eval's
+        if run_cfg is None:
+            raise ValueError(f"{path}: --traces needs a run directory (its target and dtype key the traces)")
+        if any(float(t) != 0.0 for t in args.temperature.split(",")):
+            raise ValueError("--traces replays greedy decoding only: use --temperature 0")
         drafter = drafter.to(getattr(torch, run_cfg.model.dtype))
     drafter = drafter.to(device).eval()
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=module_dtype(drafter)).to(device).eval()
@@ -174,10 +178,6 @@ def _trace_cache(args, run_cfg, target: str, drafter, cache_dir):
 
     from dflash.evaluation.evaluator import trace_cache_for
 
-    if run_cfg is None:
-        raise ValueError(f"{args.path}: --traces needs a run directory (its target and dtype key the traces)")
-    if any(float(t) != 0.0 for t in args.temperature.split(",")):
-        raise ValueError("--traces replays greedy decoding only: use --temperature 0")
     settings = {"max_new_tokens": args.max_new_tokens}
     cfg = OmegaConf.merge(run_cfg, {"eval": settings, "model": {"target": target}, "paths": {"cache_dir": cache_dir}})
     if args.block_size:

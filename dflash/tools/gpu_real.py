@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dflash.tools.gpu_device import STAGE_DIR, StageError
-from dflash.tools.make_real import DEFAULT_RECORDS
 
 EXPERIMENT = "smollm2_gpu_real"
 
@@ -38,8 +37,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     s.add_argument(
         "--make-real-records",
         type=int,
-        default=DEFAULT_RECORDS["original"],
-        help="make real's --records: its held-out tail is left out, so its eval prompts stay unseen",
+        help="make real's --records (default: its default's, 5,000): its held-out tail is left out, so its eval "
+        "prompts stay unseen",
     )
     s.add_argument("--no-wheels", action="store_true", help="stage no wheels (a device that has the packages)")
     s.add_argument("--part1-bytes", type=int, help="size of the target file's first part (default: the calls balanced)")
@@ -103,13 +102,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "stage":
             from dflash.tools.gpu_stage import describe, stage
+            from dflash.tools.make_real import DEFAULT_RECORDS  # here: it imports torch, which the other commands skip
 
             manifest = stage(
                 args.experiment,
                 args.overrides,
                 args.records,
                 not args.no_wheels,
-                args.make_real_records,
+                args.make_real_records or DEFAULT_RECORDS["original"],
                 args.part1_bytes,
                 args.budget_s,
                 args.source,

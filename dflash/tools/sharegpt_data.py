@@ -61,19 +61,19 @@ def last_record(cfg) -> int:
     return CHAT_FIRST_RECORD - 1 if cfg.model.name == "tiny_chat" else CHAT_LAST_RECORD
 
 
-def exchanges(count: int, source=None, last: int = CHAT_FIRST_RECORD - 1) -> list[list[dict]]:
-    """The first exchanges of the first `count` usable conversations, none past record `last`."""
+def exchanges(count: int, source, last: int) -> list[list[dict]]:
+    """The first exchanges of the first `count` usable conversations, none past record `last` (`last_record`)."""
     try:
         return sharegpt_exchanges(1, count, path=source, last=last)
-    except ValueError as e:  # past the chat target's records: one line naming the fix
+    except ValueError as e:  # past the records this target's data may take: one line naming the fix
         raise SystemExit(
             f"error: {e}; ask for fewer records (--records plus --original-records with --data mix)"
         ) from None
 
 
-def prepare(out_dir: Path, records: int, source=None, first: list[list[dict]] | None = None) -> Path:
-    """OUT/prompts.jsonl: the first exchanges of the first `records` usable conversations (`first`: read already)."""
-    rows = first[:records] if first is not None else exchanges(records, source)
+def prepare(out_dir: Path, records: int, first: list[list[dict]]) -> Path:
+    """OUT/prompts.jsonl: the first `records` of the exchanges read (`exchanges`)."""
+    rows = first[:records]
     path = out_dir / "prompts.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, "".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in rows))
@@ -146,7 +146,7 @@ def make_data(argv: Sequence[str] | None = None) -> DataMade:
     read = {"cpu_s": time.process_time() - cpu0, "wall_s": time.monotonic() - wall0}
     regen, outcome = out / args.regen_name, None
     if regenerated:
-        outcome = regenerate(cfg, args, prepare(out, regenerated, first=rows), regen)
+        outcome = regenerate(cfg, args, prepare(out, regenerated, rows), regen)
     if args.data == "regenerated":
         return DataMade(regen, regen_result(outcome), outcome, data_cost(regen, None))
     cpu0, wall0 = time.process_time(), time.monotonic()
