@@ -136,7 +136,7 @@ def test_the_plan_cli_builds_nothing(tmp_path, capsys):
     assert main(["model=tiny", f"model.target={absent}", "+device=cpu"]) == 0
     out = capsys.readouterr().out
     assert "is not built yet: planned from model.build's widths" in out and not absent.exists()
-    assert "runtime: 512 MiB, fitted on" in out  # the fixed constant is named as one
+    assert "runtime: 640 MiB, fitted on" in out  # the fixed constant is named as one
 
 
 def test_the_plan_cli_prints_its_tables(capsys):
