@@ -34,8 +34,9 @@ def fake(tmp_path, monkeypatch):
         done_before, state["answers"] = state["answers"], 4
         args = make_real.sharegpt_data.parse_args(argv)
         args.out.mkdir(parents=True, exist_ok=True)
+        cut = make_real.sharegpt_data.cut_suffix(args.max_turn_chars)
         path = make_real.sharegpt_data.data_path(
-            args.out, args.data, args.records, args.original_records, args.mix_seed, args.regen_name
+            args.out, args.data, args.records, args.original_records, args.mix_seed, args.regen_name, cut
         )
         if not path.exists():
             path.write_text(state.get("data", '{"messages": []}\n'))
@@ -246,6 +247,23 @@ def test_mix_and_original_train_on_their_own_files(fake):
     fake.calls.clear()
     make_real.main([*fake.args, "--data", "original", "--original-records", "8"])
     assert f"data.path={fake.out / 'original-8.jsonl'}" in _launch(fake.calls)
+
+
+def test_turns_cut_elsewhere_train_on_their_own_files(fake):
+    """--max-turn-chars reaches the data step, and its files (originals, regenerated answers, their prompts) are
+    named by the cut, beside the default's; a cut below 1 is refused before anything is fetched."""
+    make_real.main([*fake.args, "--original-records", "8", "--max-turn-chars", "4000"])
+    argv = fake.state["data_argv"]
+    assert argv[argv.index("--max-turn-chars") + 1] == "4000"
+    assert f"data.path={fake.out / 'original-8-cut4000.jsonl'}" in _launch(fake.calls)
+    fake.calls.clear()
+    make_real.main([*fake.args, "--data", "regenerated", "--records", "8", "--max-turn-chars", "4000"])
+    assert f"data.path={fake.out / 'regen-cut4000.jsonl'}" in _launch(fake.calls)
+    fake.calls.clear()
+    ensured = fake.state["ensured"]
+    with pytest.raises(SystemExit):
+        make_real.main([*fake.args, "--max-turn-chars", "0"])
+    assert not fake.calls and fake.state["ensured"] == ensured  # refused before the target is fetched
 
 
 def test_answers_of_other_settings_stop_make_real_in_one_line(fake):

@@ -88,6 +88,25 @@ def test_original_answers_need_no_target_and_say_where_they_come_from(data):
     assert made.path.stat().st_mtime_ns == mtime  # untouched: nothing built on it looks changed
 
 
+def test_turns_cut_elsewhere_are_their_own_file_and_say_so(data):
+    """#46's longer answers: --max-turn-chars 4000 keeps what 1,500 cut (ShareGPT answers run to thousands of
+    characters), in original-N-cut4000.jsonl beside the default's file, with the cut in its manifest."""
+    short = data("--data", "original", "--original-records", "40")
+    longer = data("--data", "original", "--original-records", "40", "--max-turn-chars", "4000")
+    assert (short.path.name, longer.path.name) == ("original-40.jsonl", "original-40-cut4000.jsonl")
+    a, b = _records(short.path), _records(longer.path)
+    assert [r["messages"] for r in b] == sharegpt_exchanges(1, 40, max_chars=4000)
+    lengths = [(len(x["messages"][1]["content"]), len(y["messages"][1]["content"])) for x, y in zip(a, b)]
+    assert all(s <= 1500 and s <= t <= 4000 for s, t in lengths) and any(t > 1500 for _, t in lengths)
+    cuts = [
+        json.loads(sharegpt_mix.manifest_path(m.path).read_text())["source"]["turns_cut_at_chars"]
+        for m in (short, longer)
+    ]
+    assert cuts == [1500, 4000]
+    with pytest.raises(SystemExit):
+        data("--data", "original", "--max-turn-chars", "0")
+
+
 def test_a_mix_holds_both_in_a_seeded_order_with_its_provenance(data):
     made = data("--records", "4", "--data", "mix", "--original-records", "3")
     assert made.result == "made 4, mix made" and made.path.name == "mix-regen-4+original-3-seed0.jsonl"

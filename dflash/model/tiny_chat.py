@@ -51,14 +51,15 @@ def _cut(text: str, limit: int = MAX_TURN_CHARS) -> str:
     return head[: head.rfind(" ")] if " " in head[limit // 2 :] else head
 
 
-def first_exchange(messages: list[dict]) -> list[dict]:
-    """The first user turn and the assistant turn that answers it, each cut to MAX_TURN_CHARS."""
+def first_exchange(messages: list[dict], max_chars: int = MAX_TURN_CHARS) -> list[dict]:
+    """The first user turn and the assistant turn that answers it, each cut to `max_chars` characters."""
     u = first_user(messages)
-    return [{"role": m["role"], "content": _cut(m["content"])} for m in messages[u : u + 2]]
+    return [{"role": m["role"], "content": _cut(m["content"], max_chars)} for m in messages[u : u + 2]]
 
 
-def exchanges_by_record(first: int = 1, path=None):
-    """(record number from 1, its first exchange, or None for a bad or text record) of every record from `first`."""
+def exchanges_by_record(first: int = 1, path=None, max_chars: int = MAX_TURN_CHARS):
+    """(record number from 1, its first exchange, or None for a bad or text record) of every record from `first`;
+    each turn cut to `max_chars` characters."""
     rows = itertools.islice(iter_raw_records(path or sharegpt_path()), first - 1, None)
     for n, (where, raw, error) in enumerate(rows, start=first):
         if error:
@@ -68,14 +69,19 @@ def exchanges_by_record(first: int = 1, path=None):
             messages = record_messages(parse_line(raw, where), where)
         except BadRecordError:
             messages = None
-        yield n, first_exchange(messages) if messages else None  # None: a text record (not in ShareGPT's file)
+        yield (
+            n,
+            first_exchange(messages, max_chars) if messages else None,
+        )  # None: a text record (not in ShareGPT's file)
 
 
-def sharegpt_exchanges(first: int, count: int, path=None, last: int = CHAT_LAST_RECORD) -> list[list[dict]]:
-    """`count` first exchanges of usable records from record `first` (from 1) on, none past record `last`; bad
-    records are passed over."""
+def sharegpt_exchanges(
+    first: int, count: int, path=None, last: int = CHAT_LAST_RECORD, max_chars: int = MAX_TURN_CHARS
+) -> list[list[dict]]:
+    """`count` first exchanges of usable records from record `first` (from 1) on, none past record `last`, each turn
+    cut to `max_chars`; bad records are passed over."""
     out: list[list[dict]] = []
-    for n, exchange in exchanges_by_record(first, path):
+    for n, exchange in exchanges_by_record(first, path, max_chars):
         if len(out) == count:
             break
         if n > last:

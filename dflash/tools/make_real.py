@@ -57,6 +57,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "(mix); default --records")  # fmt: skip
     p.add_argument("--mix-seed", type=int, default=0, help="--data mix: the seed of the records' order")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per regenerated answer")
+    p.add_argument("--max-turn-chars", type=int, default=sharegpt_data.MAX_TURN_CHARS,
+                   help="a longer user turn or original answer is cut at a space")  # fmt: skip
     p.add_argument("--chunk-size", type=int, default=32, help="answers generated in one batch")
     p.add_argument("--seq-len", type=int, default=None,
                    help="train.seq_len, with train.num_anchors scaled from the experiment's (unless set)")  # fmt: skip
@@ -64,6 +66,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_intermixed_args(argv)  # make real ARGS="--data mix train.max_steps=100 --seq-len 1024"
     if args.records is None:
         args.records = DEFAULT_RECORDS[args.data]
+    if args.max_turn_chars < 1:  # before the target is fetched
+        p.error("--max-turn-chars must be >= 1")
     return args
 
 
@@ -105,7 +109,8 @@ def data_options(args: argparse.Namespace, regen_name: str) -> list[str]:
     originals = [] if args.original_records is None else ["--original-records", str(args.original_records)]
     return ["--experiment", EXPERIMENT, "--records", str(args.records), "--out", str(args.out),
             "--data", args.data, *originals, "--mix-seed", str(args.mix_seed), "--regen-name", regen_name,
-            "--max-new-tokens", str(args.max_new_tokens), "--chunk-size", str(args.chunk_size)]  # fmt: skip
+            "--max-new-tokens", str(args.max_new_tokens), "--max-turn-chars", str(args.max_turn_chars),
+            "--chunk-size", str(args.chunk_size)]  # fmt: skip
 
 
 def phase_data(args: argparse.Namespace, regen: str, overrides: list[str]):
@@ -117,12 +122,14 @@ def phase_data(args: argparse.Namespace, regen: str, overrides: list[str]):
     return made.result, made
 
 
-def regen_name(cfg, max_new_tokens: int) -> str:
-    """The regenerated answers' file: regen.jsonl at make real's defaults (128 tokens, float32), a file of its
-    own for other settings, so that answers of several settings sit side by side and none refuses another."""
+def regen_name(cfg, max_new_tokens: int, max_turn_chars: int = sharegpt_data.MAX_TURN_CHARS) -> str:
+    """The regenerated answers' file: regen.jsonl at make real's defaults (128 tokens, float32, turns cut at
+    1,500 characters), a file of its own for other settings, so that answers of several settings sit side by side
+    and none refuses another."""
+    cut = sharegpt_data.cut_suffix(max_turn_chars)
     if (max_new_tokens, cfg.model.dtype) == (128, "float32"):
-        return "regen.jsonl"
-    return f"regen-{cfg.model.dtype}-{max_new_tokens}tok.jsonl"
+        return f"regen{cut}.jsonl"
+    return f"regen-{cfg.model.dtype}-{max_new_tokens}tok{cut}.jsonl"
 
 
 def _files(root: Path) -> dict[str, tuple[int, int]]:
@@ -278,8 +285,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         anchors = max(1, round(base.train.num_anchors * args.seq_len / base.train.seq_len))
         scaled = [] if any(o.startswith("train.num_anchors=") for o in overrides) else [f"train.num_anchors={anchors}"]
         overrides = [f"train.seq_len={args.seq_len}", *scaled, *overrides]
-    regen = regen_name(base, args.max_new_tokens)
-    data_file = sharegpt_data.data_path(args.out, args.data, args.records, args.original_records, args.mix_seed, regen)
+    regen = regen_name(base, args.max_new_tokens, args.max_turn_chars)
+    cut = sharegpt_data.cut_suffix(args.max_turn_chars)
+    data_file = sharegpt_data.data_path(
+        args.out, args.data, args.records, args.original_records, args.mix_seed, regen, cut
+    )
     common = [f"experiment={EXPERIMENT}", f"data.path={data_file}", *overrides]
     phases: dict[str, dict] = {}
 

@@ -3,13 +3,14 @@ by its own target: `experiment=sharegpt_tiny` (`make sharegpt-tiny`, the embedde
 `experiment=smollm2_sharegpt` (`make real`, SmolLM2-135M-Instruct).
 
 Makes the experiment's target (built or fetched, cached), takes the first exchange (first user turn and its
-answer, each cut to 1,500 characters) of the first `--records` usable conversations of the real ShareGPT file
-into OUT/prompts.jsonl (the original answers: what a drafter trained without regeneration sees), and has the
-target answer every user turn again with its chat template (`dflash.regenerate`'s hf backend, batched, greedy,
-resumable; on the experiment's `model.device` in its `model.dtype`, as the run's target computes): OUT/regen.jsonl,
-what the experiment trains on. These records come before the `sharegpt` benchmark suite's held-out conversations
-at the end of the file (model/tiny_chat.CHAT_LAST_RECORD), and for the embedded chat target before the ones it was
-pretrained on (CHAT_FIRST_RECORD).
+answer, each cut to 1,500 characters; `--max-turn-chars N`: to N, in files whose names end `-cutN`) of the first
+`--records` usable conversations of the real ShareGPT file into OUT/prompts.jsonl (the original answers: what a
+drafter trained without regeneration sees), and has the target answer every user turn again with its chat
+template (`dflash.regenerate`'s hf backend, batched, greedy, resumable; on the experiment's `model.device` in
+its `model.dtype`, as the run's target computes): OUT/regen.jsonl, what the experiment trains on. These records
+come before the `sharegpt` benchmark suite's held-out conversations at the end of the file
+(model/tiny_chat.CHAT_LAST_RECORD), and for the embedded chat target before the ones it was pretrained on
+(CHAT_FIRST_RECORD).
 
 `--data original` trains on ShareGPT's own answers of the first `--original-records` exchanges instead (no
 generation: OUT/original-N.jsonl); `--data mix` on the regenerated answers of the first `--records` exchanges and
@@ -61,20 +62,25 @@ def last_record(cfg) -> int:
     return CHAT_FIRST_RECORD - 1 if cfg.model.name == "tiny_chat" else CHAT_LAST_RECORD
 
 
-def exchanges(count: int, source, last: int) -> list[list[dict]]:
+def cut_suffix(max_turn_chars: int) -> str:
+    """What files made with turns cut elsewhere than MAX_TURN_CHARS add to their names (none at the default)."""
+    return "" if max_turn_chars == MAX_TURN_CHARS else f"-cut{max_turn_chars}"
+
+
+def exchanges(count: int, source, last: int, max_chars: int = MAX_TURN_CHARS) -> list[list[dict]]:
     """The first exchanges of the first `count` usable conversations, none past record `last` (`last_record`)."""
     try:
-        return sharegpt_exchanges(1, count, path=source, last=last)
+        return sharegpt_exchanges(1, count, path=source, last=last, max_chars=max_chars)
     except ValueError as e:  # past the records this target's data may take: one line naming the fix
         raise SystemExit(
             f"error: {e}; ask for fewer records (--records plus --original-records with --data mix)"
         ) from None
 
 
-def prepare(out_dir: Path, records: int, first: list[list[dict]]) -> Path:
-    """OUT/prompts.jsonl: the first `records` of the exchanges read (`exchanges`)."""
+def prepare(out_dir: Path, records: int, first: list[list[dict]], suffix: str = "") -> Path:
+    """OUT/prompts.jsonl (prompts-cutN.jsonl): the first `records` of the exchanges read (`exchanges`)."""
     rows = first[:records]
-    path = out_dir / "prompts.jsonl"
+    path = out_dir / f"prompts{suffix}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, "".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in rows))
     return path
@@ -89,6 +95,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--original-records", type=int, default=None, help="original answers (default: --records)")
     p.add_argument("--mix-seed", type=int, default=0, help="--data mix: the seed of the records' order")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per regenerated answer")
+    p.add_argument("--max-turn-chars", type=int, default=MAX_TURN_CHARS,
+                   help=f"a longer user turn or answer is cut at a space (default {MAX_TURN_CHARS})")  # fmt: skip
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, as the eval decodes")
     p.add_argument("--chunk-size", type=int, default=64, help="answers generated in one batch")
     p.add_argument("--device", default=None, help="generation device (default: the experiment's model.device)")
@@ -102,21 +110,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--source", type=Path, default=None, help="a ShareGPT .json array (default: the package's)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the experiment (e.g. paths.cache_dir=...)")
     args = p.parse_args(argv)
+    if args.max_turn_chars < 1:
+        p.error("--max-turn-chars must be >= 1")
     for name in ("records", "original_records"):
         if (getattr(args, name) or 0) < 0 or (name == "records" and args.data != "original" and args.records < 1):
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
 
 
-def data_path(out: Path, data: str, records: int, originals: int | None, seed: int, regen_name: str) -> Path:
-    """The file a run trains on for these choices (what make_data writes; make real's data.path)."""
+def data_path(
+    out: Path, data: str, records: int, originals: int | None, seed: int, regen_name: str, suffix: str = ""
+) -> Path:
+    """The file a run trains on for these choices (what make_data writes; make real's data.path); `suffix`:
+    cut_suffix's, for original answers (a regenerated file's name is the caller's)."""
     regen = out / regen_name
     originals = records if originals is None else originals
     if data == "regenerated":
         return regen
     if data == "original":
-        return out / sharegpt_mix.original_name(originals)
-    return out / sharegpt_mix.mix_name(regen, records, originals, seed)
+        return out / sharegpt_mix.original_name(originals, suffix)
+    return out / sharegpt_mix.mix_name(regen, records, originals, seed, suffix)
 
 
 @dataclass
@@ -142,19 +155,20 @@ def make_data(argv: Sequence[str] | None = None) -> DataMade:
     first_original = regenerated if args.data == "mix" else 0
     cpu0, wall0 = time.process_time(), time.monotonic()
     wanted = max(regenerated, first_original + (originals if args.data != "regenerated" else 0))
-    rows = exchanges(wanted, args.source, last_record(cfg))
+    suffix = cut_suffix(args.max_turn_chars)
+    rows = exchanges(wanted, args.source, last_record(cfg), args.max_turn_chars)
     read = {"cpu_s": time.process_time() - cpu0, "wall_s": time.monotonic() - wall0}
     regen, outcome = out / args.regen_name, None
     if regenerated:
-        outcome = regenerate(cfg, args, prepare(out, regenerated, rows), regen)
+        outcome = regenerate(cfg, args, prepare(out, regenerated, rows, suffix), regen)
     if args.data == "regenerated":
         return DataMade(regen, regen_result(outcome), outcome, data_cost(regen, None))
     cpu0, wall0 = time.process_time(), time.monotonic()
     original = sharegpt_mix.original_records(rows[first_original : first_original + originals], first_original)
-    source = {**input_identity(args.source or sharegpt_path()), "turns_cut_at_chars": MAX_TURN_CHARS}
+    source = {**input_identity(args.source or sharegpt_path()), "turns_cut_at_chars": args.max_turn_chars}
     parts = [{"origin": sharegpt_mix.ORIGINAL, "conversations": {"first": first_original, "count": originals},
               "how": "ShareGPT's own answers of the conversations' first exchanges"}]  # fmt: skip
-    path = data_path(out, args.data, args.records, originals, args.mix_seed, args.regen_name)
+    path = data_path(out, args.data, args.records, originals, args.mix_seed, args.regen_name, suffix)
     if args.data == "original":
         records, order = original, "conversation order"
     else:

@@ -17,12 +17,12 @@ from dflash.core.jsonio import write_json, write_text_atomic
 REGENERATED, ORIGINAL = "regenerated", "original"
 
 
-def original_name(count: int) -> str:
-    return f"original-{count}.jsonl"
+def original_name(count: int, cut_suffix: str = "") -> str:
+    return f"original-{count}{cut_suffix}.jsonl"
 
 
-def mix_name(regen: Path, records: int, originals: int, seed: int) -> str:
-    return f"mix-{regen.stem}-{records}+{ORIGINAL}-{originals}-seed{seed}.jsonl"
+def mix_name(regen: Path, records: int, originals: int, seed: int, cut_suffix: str = "") -> str:
+    return f"mix-{regen.stem}-{records}+{ORIGINAL}-{originals}-seed{seed}{cut_suffix}.jsonl"
 
 
 def manifest_path(path: Path) -> Path:
