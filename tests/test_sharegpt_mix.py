@@ -90,7 +90,8 @@ def test_original_answers_need_no_target_and_say_where_they_come_from(data):
 
 def test_turns_cut_elsewhere_are_their_own_file_and_say_so(data):
     """#46's longer answers: --max-turn-chars 4000 keeps what 1,500 cut (ShareGPT answers run to thousands of
-    characters), in original-N-cut4000.jsonl beside the default's file, with the cut in its manifest."""
+    characters), in original-N-cut4000.jsonl beside the default's file, with the cut in its manifest; regenerated
+    answers of such prompts go to regen-cut4000.jsonl, never into regen.jsonl."""
     short = data("--data", "original", "--original-records", "40")
     longer = data("--data", "original", "--original-records", "40", "--max-turn-chars", "4000")
     assert (short.path.name, longer.path.name) == ("original-40.jsonl", "original-40-cut4000.jsonl")
@@ -103,6 +104,10 @@ def test_turns_cut_elsewhere_are_their_own_file_and_say_so(data):
         for m in (short, longer)
     ]
     assert cuts == [1500, 4000]
+    regen = data("--records", "4", "--max-turn-chars", "4000")  # answered again: its prompts and answers apart too
+    assert regen.path.name == "regen-cut4000.jsonl" and not (regen.path.parent / "regen.jsonl").exists()
+    prompts = _records(regen.path.parent / "prompts-cut4000.jsonl")
+    assert [r["messages"] for r in prompts] == sharegpt_exchanges(1, 4, max_chars=4000)
     with pytest.raises(SystemExit):
         data("--data", "original", "--max-turn-chars", "0")
 

@@ -69,10 +69,8 @@ def exchanges_by_record(first: int = 1, path=None, max_chars: int = MAX_TURN_CHA
             messages = record_messages(parse_line(raw, where), where)
         except BadRecordError:
             messages = None
-        yield (
-            n,
-            first_exchange(messages, max_chars) if messages else None,
-        )  # None: a text record (not in ShareGPT's file)
+        # None: a text record (not in ShareGPT's file)
+        yield n, first_exchange(messages, max_chars) if messages else None
 
 
 def sharegpt_exchanges(

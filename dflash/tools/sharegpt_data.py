@@ -106,12 +106,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="generation dtype (default: the experiment's model.dtype, as its run computes): float32, bfloat16, "
         "float16, or auto (bfloat16 where the CPU is fast)",
     )
-    p.add_argument("--regen-name", default="regen.jsonl", help="the regenerated answers' file in OUT")
+    p.add_argument("--regen-name", default=None,
+                   help="the regenerated answers' file in OUT (default regen.jsonl, regen-cutN.jsonl)")  # fmt: skip
     p.add_argument("--source", type=Path, default=None, help="a ShareGPT .json array (default: the package's)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the experiment (e.g. paths.cache_dir=...)")
     args = p.parse_args(argv)
     if args.max_turn_chars < 1:
         p.error("--max-turn-chars must be >= 1")
+    args.regen_name = args.regen_name or f"regen{cut_suffix(args.max_turn_chars)}.jsonl"  # a cut's answers apart
     for name in ("records", "original_records"):
         if (getattr(args, name) or 0) < 0 or (name == "records" and args.data != "original" and args.records < 1):
             p.error(f"--{name.replace('_', '-')} must be >= 1")
