@@ -66,6 +66,7 @@ READ_ONLY_BY = {
     "optim.muon_weight_decay": ("muon",),
     "optim.muon_ns_steps": ("muon",),
     "optim.muon_adjust_lr": ("muon",),
+    "optim.muon_ns_dtype": ("muon",),
     "optim.muon_exclude": ("muon",),
 }
 # ... and read only while another key is not at a value: kl_weight 0 drops the KL term, markov_rank 0 the Markov head
@@ -346,6 +347,9 @@ class OptimConfig:
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.1
     muon_ns_steps: int = 5  # Newton-Schulz iterations
+    # the iterations' dtype: auto = bfloat16 (torch's own path) where it is fast, float32 on a CPU without
+    # AVX512-BF16/AMX, where bfloat16 is emulated (dflash/train/muon.py); bfloat16 | float32 force one
+    muon_ns_dtype: str = "auto"
     muon_adjust_lr: str = "match_rms_adamw"  # match_rms_adamw (Moonshot) | original (Keller Jordan)
     muon_exclude: list[str] = field(default_factory=list)  # names of 2-D weights kept on AdamW (e.g. [fc])
 

@@ -264,6 +264,7 @@ def _validate_optim(c) -> None:
     _check(o.muon_weight_decay >= 0, "optim.muon_weight_decay", o.muon_weight_decay, "must be >= 0")
     _check(o.muon_ns_steps >= 1, "optim.muon_ns_steps", o.muon_ns_steps, "must be >= 1")
     _one_of("optim.muon_adjust_lr", o.muon_adjust_lr, ("match_rms_adamw", "original"))
+    _one_of("optim.muon_ns_dtype", o.muon_ns_dtype, ("auto", "bfloat16", "float32"))
 
 
 def _validate_drafter(c) -> None:

@@ -73,6 +73,7 @@ def resume(cfg: DictConfig, job: Job, run: RunDir) -> None:
     world = job.world
     if world.is_main:
         run.add_run_info("data_fingerprint", job.fingerprint, resumed=bool(cfg.resume))
+        run.add_run_info("optimizer", job.trainer.optimizer.describe(), resumed=bool(cfg.resume))
         if (made := target_provenance(cfg.model.target)) is not None:  # a converted target: what it was made from
             run.add_run_info("target_provenance", made, resumed=bool(cfg.resume))
         if (plan := run_headline(cfg, world.size + world.target_ranks)) is not None:  # held against a GPU run

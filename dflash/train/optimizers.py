@@ -29,6 +29,7 @@ import torch
 
 from dflash.core.config import ConfigError
 from dflash.model.muon_split import split_for_muon
+from dflash.train.muon import Muon, choose_ns_dtype
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +47,12 @@ class DrafterOptimizer:
             muon, adamw = split_for_muon(model, tuple(optim_cfg.muon_exclude))
             if not muon:
                 raise ConfigError("optim=muon found no 2-D weight matrix to optimize (optim.muon_exclude took all)")
+            device = muon[0].device
+            self.ns_dtype, self.ns_dtype_reason = choose_ns_dtype(optim_cfg.get("muon_ns_dtype", "auto"), device)
             self.parts = {
-                "muon": torch.optim.Muon(
+                "muon": Muon(
                     muon,
+                    ns_dtype=self.ns_dtype,
                     lr=lr * optim_cfg.muon_lr_ratio,
                     weight_decay=optim_cfg.muon_weight_decay,
                     momentum=optim_cfg.muon_momentum,
@@ -58,9 +62,21 @@ class DrafterOptimizer:
             }
             if adamw:
                 self.parts["adamw"] = self._adamw(adamw, lr)
-            log.info("optim=muon: %d matrices by Muon, %d other parameters by AdamW", len(muon), len(adamw))
+            log.info(
+                "optim=muon: %d matrices by Muon (Newton-Schulz in %s: %s), %d other parameters by AdamW",
+                len(muon),
+                self.ns_dtype,
+                self.ns_dtype_reason,
+                len(adamw),
+            )
         else:
             raise ConfigError(f"optim={self.name!r} is invalid: must be one of adamw, muon")
+
+    def describe(self) -> dict:
+        """What run.json records of the optimizer: its name and, under muon, the Newton-Schulz dtype and why."""
+        if self.name != "muon":
+            return {"name": self.name}
+        return {"name": self.name, "muon_ns_dtype": self.ns_dtype, "muon_ns_dtype_reason": self.ns_dtype_reason}
 
     def _adamw(self, params, lr: float) -> torch.optim.AdamW:
         return torch.optim.AdamW(params, lr=lr, betas=tuple(self.cfg.betas), weight_decay=self.cfg.weight_decay)

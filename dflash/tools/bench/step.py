@@ -21,7 +21,10 @@ the trainer does online without a KL), argmax (a feature store's: no teacher log
 Options: seq_len=4096 windows=none,512 teachers=none anchors=64 block_size=16 batch=1 hidden=1024 heads=16
 kv_heads=4 head_dim=64 intermediate=2816 layers=1 features=2 vocab=8192 chunk_size=256 loss=ce_decay repeats=2
 dtype=float32 device=cpu budgets=none lengths= (empty: `batch` rows of seq_len) precisions=fp32 (fp32,bf16-mixed:
-train.precision's two steps side by side) rounds=1 (each variant's worker this many times, the variants in turn).
+train.precision's two steps side by side; a row is labelled by the precision that ran: `fp32*` is a bf16-mixed that
+fell back to fp32 on this machine, given no ratio) optims=none (adamw,muon,muon:float32,muon:bfloat16: the optimizer's
+step timed after each backward, over the drafter's parameters as the trainer splits them, and its share of the whole
+step; muon is optim.muon_ns_dtype=auto) rounds=1 (each variant's worker this many times, the variants in turn).
 The real target's LM head (SmolLM2-135M): hidden=576 vocab=49152 heads=9 kv_heads=3 head_dim=64 intermediate=1536
 layers=2 features=3 seq_len=256 batch=4 anchors=32 block_size=8 windows=none teachers=logits,online,argmax
 """
@@ -58,6 +61,7 @@ STEP_DEFAULTS: dict[str, str] = {
     "budgets": "none",
     "lengths": "",
     "precisions": "fp32",
+    "optims": "none",
     "rounds": "1",
 }
 
@@ -98,8 +102,8 @@ def _drafter(o: dict, window: int | None):
 
 
 def _worker(args: list[str]) -> None:
-    """Child process: one window, teacher, budget and precision ("WINDOW/TEACHER/BUDGET/PRECISION"), `repeats`
-    steps, one JSON line."""
+    """Child process: one window, teacher, budget, precision and optimizer ("WINDOW/TEACHER/BUDGET/PRECISION/OPTIM"),
+    `repeats` steps, one JSON line."""
     import torch
 
     from dflash.model.blocks import build_training_blocks, gather_positions, sample_anchors
@@ -108,7 +112,7 @@ def _worker(args: list[str]) -> None:
     from dflash.model.window import draft_window
     from dflash.train.precision import autocast, autocast_dtype, head_for_loss
 
-    name, teacher, budget_name, precision = args[0].split("/")
+    name, teacher, budget_name, precision, optim = args[0].split("/")
     window, o = (None if name == "none" else int(name)), json.loads(args[1])
     budget = None if budget_name == "none" else int(budget_name)
     device, dtype = torch.device(o["device"]), getattr(torch, o["dtype"])
@@ -126,6 +130,7 @@ def _worker(args: list[str]) -> None:
     stored_next = greedy_tokens(last_hidden, head)  # a store's target_next, made before the steps are timed
     amp = autocast_dtype(precision, device)  # the trainer's train.precision: bf16 autocast and a bf16 loss head
     loss_head = head_for_loss(head, amp)
+    optimizer = None if optim == "none" else _optimizer(drafter, optim)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -136,7 +141,7 @@ def _worker(args: list[str]) -> None:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     base_rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    times, peak_mb = [], 0.0
+    times, opt_times, peak_mb = [], [], 0.0
     attention = "flex" if device.type == "cuda" else "sdpa"
     for step in range(int(o["repeats"])):
         drafter.zero_grad(set_to_none=True)
@@ -172,13 +177,34 @@ def _worker(args: list[str]) -> None:
         loss.backward()
         sync()
         times.append(time.perf_counter() - t0)
+        if optimizer is not None:  # the optimizer's step, timed apart: its share of the step
+            t1 = time.perf_counter()
+            optimizer.step()
+            sync()
+            opt_times.append(time.perf_counter() - t1)
         if device.type == "cuda":
             peak_mb = max(peak_mb, (torch.cuda.max_memory_allocated(device) - base) / 2**20)
         else:
             peak_mb = max(peak_mb, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss_kb) / 1024)
     mask = type(blocks.attention_mask).__name__
     blocks_done = {"blocks": int(valid.sum()), "computed": int(valid.numel())}
-    print(json.dumps({"peak_mb": peak_mb, "times_s": times, "loss": loss.item(), "mask": mask, **blocks_done}))
+    ran = "fp32" if amp is None else precision  # what ran: bf16-mixed falls back to fp32 where bf16 is slow
+    extra = {"precision_ran": ran, "opt_times_s": opt_times}
+    if optimizer is not None:
+        extra["optim_ran"] = optimizer.describe()
+    print(json.dumps({"peak_mb": peak_mb, "times_s": times, "loss": loss.item(), "mask": mask, **blocks_done, **extra}))
+
+
+def _optimizer(drafter, optim: str):
+    """The trainer's optimizer over the drafter: `adamw`, or `muon[:NS_DTYPE]` (optim.muon_ns_dtype, default auto)."""
+    from omegaconf import OmegaConf
+
+    from dflash.core.config import OptimConfig
+    from dflash.train.optimizers import DrafterOptimizer
+
+    name, _, ns_dtype = optim.partition(":")
+    cfg = OmegaConf.structured(OptimConfig(name=name, muon_ns_dtype=ns_dtype or "auto"))
+    return DrafterOptimizer(drafter, cfg, lr=1e-3)
 
 
 def bench(args: list[str]) -> None:
@@ -193,6 +219,10 @@ def bench(args: list[str]) -> None:
     precisions = [p.strip() for p in o["precisions"].split(",") if p.strip()]
     if not precisions or set(precisions) - {"fp32", "bf16-mixed"}:
         raise SystemExit(f"precisions= takes fp32, bf16-mixed (comma-separated), got {o['precisions']!r}")
+    optims = [x.strip() for x in o["optims"].split(",") if x.strip()]
+    known = {"none", "adamw", "muon", "muon:auto", "muon:float32", "muon:bfloat16"}
+    if not optims or set(optims) - known:
+        raise SystemExit(f"optims= takes {', '.join(sorted(known))} (comma-separated), got {o['optims']!r}")
     lengths = row_lengths(o)
     if not budgets or any(b != "none" and not (b.isdigit() and int(b) >= len(lengths)) for b in budgets):
         rows = len(lengths)
@@ -210,7 +240,7 @@ def bench(args: list[str]) -> None:
         f"{torch.get_num_threads()} torch threads, {o['repeats']} repeats"
     )
     print("memory: rise of the worker's peak RSS (CPU) / max_memory_allocated (CUDA) over the mark after inputs")
-    variants = [(w, t, b, p) for w in windows for t in teachers for b in budgets for p in precisions]
+    variants = [(w, t, b, p, x) for w in windows for t in teachers for b in budgets for p in precisions for x in optims]
     results: dict[tuple, dict] = {}
     for _ in range(int(o["rounds"])):  # the variants take turns, so a load change on the machine hits them all
         for v in variants:
@@ -219,6 +249,7 @@ def bench(args: list[str]) -> None:
                 r = {
                     **r,
                     "times_s": results[v]["times_s"] + r["times_s"],
+                    "opt_times_s": results[v]["opt_times_s"] + r["opt_times_s"],
                     "peak_mb": max(r["peak_mb"], results[v]["peak_mb"]),
                 }
             results[v] = r
@@ -226,30 +257,50 @@ def bench(args: list[str]) -> None:
         f"{'window':<8} {'teacher':<8} {'budget':>6} {'precision':>10} {'blocks':>13} {'keys/query':>10} {'mask':>22} "
         f"{'peak MiB':>10} {'best s':>8} {'all s':>16} {'loss':>10}"
     )
-    for (w, t, b, p), r in results.items():
+    fell_back = {v for v, r in results.items() if r["precision_ran"] != v[3]}
+    for (w, t, b, p, x), r in results.items():
         width = r["computed"] // len(lengths)  # the anchor tensor's width: the keys of full attention follow it
         keys = S + width * B if w == "none" or int(w) >= S else int(w) - 1 + B
         all_s = ", ".join(f"{x:.3f}" for x in r["times_s"])
         blocks = f"{r['blocks']}/{r['computed']}"  # trained / computed (the rest pad the anchor tensor)
+        label = r["precision_ran"] if p == r["precision_ran"] else f"{r['precision_ran']}*"
         print(
-            f"{w:<8} {t:<8} {b:>6} {p:>10} {blocks:>13} {keys:>10} {r['mask']:>22} {r['peak_mb']:>10.0f} "
+            f"{w:<8} {t:<8} {b:>6} {label:>10} {blocks:>13} {keys:>10} {r['mask']:>22} {r['peak_mb']:>10.0f} "
             f"{min(r['times_s']):>8.3f} {all_s:>16} {r['loss']:>10.4f}"
         )
+    if fell_back:
+        print("fp32*: bf16-mixed fell back to fp32 on this machine (no fast bfloat16 kernels): no ratio for its rows")
+    if any(x != "none" for *_, x in results):
+        _print_optimizer_steps(results)
 
     def ratio(label: str, r: dict, ref: dict) -> None:
         memory, time_ = r["peak_mb"] / max(ref["peak_mb"], 1e-9), min(r["times_s"]) / min(ref["times_s"])
         print(f"{label}: peak memory {memory:.2f}x, time {time_:.2f}x")
 
-    for (w, t, b, p), r in results.items():
+    for (w, t, b, p, x), r in results.items():
+        if (w, t, b, p, x) in fell_back:
+            continue
         bud, pre = ("" if b == "none" else f", budget {b}"), ("" if p == "fp32" else f", {p}")
-        if w != "none" and ("none", t, b, p) in results:
-            ratio(f"window {w} / full ({t}{bud}{pre})", r, results["none", t, b, p])
-        if t in ("online", "argmax") and (w, "logits", b, p) in results:
-            ratio(f"window {w}: {t} / logits{bud}{pre}", r, results[w, "logits", b, p])
-        if b != "none" and (w, t, "none", p) in results:
-            ratio(f"budget {b} / per-row anchors (window {w}, {t}{pre})", r, results[w, t, "none", p])
-        if p != "fp32" and (w, t, b, "fp32") in results:
-            ratio(f"{p} / fp32 (window {w}, {t}{bud})", r, results[w, t, b, "fp32"])
+        opt = "" if x == "none" else f", {x}"
+        if w != "none" and ("none", t, b, p, x) in results:
+            ratio(f"window {w} / full ({t}{bud}{pre}{opt})", r, results["none", t, b, p, x])
+        if t in ("online", "argmax") and (w, "logits", b, p, x) in results:
+            ratio(f"window {w}: {t} / logits{bud}{pre}{opt}", r, results[w, "logits", b, p, x])
+        if b != "none" and (w, t, "none", p, x) in results:
+            ratio(f"budget {b} / per-row anchors (window {w}, {t}{pre}{opt})", r, results[w, t, "none", p, x])
+        if p != "fp32" and (w, t, b, "fp32", x) in results:
+            ratio(f"{p} / fp32 (window {w}, {t}{bud}{opt})", r, results[w, t, b, "fp32", x])
+
+
+def _print_optimizer_steps(results: dict) -> None:
+    """Each optimizer's step and its share of the whole step (forward, loss, backward and the optimizer's step)."""
+    print(f"{'optimizer':<16} {'Newton-Schulz':>14} {'optimizer s':>12} {'share of step':>14}")
+    for (*_, x), r in results.items():
+        if x == "none":
+            continue
+        opt, step = min(r["opt_times_s"]), min(r["times_s"])
+        ns = r["optim_ran"].get("muon_ns_dtype", "-")
+        print(f"{x:<16} {ns:>14} {opt:>12.3f} {opt / (opt + step):>13.0%}")
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["_worker"]:  # one window, in its own process
