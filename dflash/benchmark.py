@@ -1,6 +1,6 @@
-"""`python -m dflash.benchmark`: tau and speedup per benchmark suite (code: `dflash.tools.benchmark_cli`)."""
+"""`python -m dflash.benchmark`: tau and speedup per benchmark suite (code: `dflash.cli.benchmark`)."""
 
-from dflash.tools.benchmark_cli import main
+from dflash.cli.benchmark import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,6 +1,6 @@
-"""`python -m dflash.compare`: compare runs by their output directories (code: `dflash.tools.compare_cli`)."""
+"""`python -m dflash.compare`: compare runs by their output directories (code: `dflash.analysis.compare_cli`)."""
 
-from dflash.tools.compare_cli import main
+from dflash.analysis.compare_cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

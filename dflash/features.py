@@ -1,6 +1,6 @@
-"""`python -m dflash.features build [--dry-run] [OVERRIDES]`: build a feature store (code: `dflash.tools.features`)."""
+"""`python -m dflash.features build [--dry-run] [OVERRIDES]`: build a feature store (code: `dflash.cli.features`)."""
 
-from dflash.tools.features import main
+from dflash.cli.features import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,6 +1,6 @@
-"""`python -m dflash.plan [OVERRIDES] [+nproc=N] [+memory_gib=G]`: will it fit (code: `dflash.tools.plan`)."""
+"""`python -m dflash.plan [OVERRIDES] [+nproc=N] [+memory_gib=G]`: will it fit (code: `dflash.cli.plan`)."""
 
-from dflash.tools.plan import main
+from dflash.cli.plan import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

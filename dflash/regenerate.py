@@ -1,7 +1,7 @@
 """`python -m dflash.regenerate IN OUT ...`: a chat dataset's assistant turns rewritten by the target (code:
-`dflash.tools.regenerate`)."""
+`dflash.recipes.regenerate`)."""
 
-from dflash.tools.regenerate import main
+from dflash.recipes.regenerate import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -43,7 +43,7 @@ def known_names(sweep: Path, names: str) -> list[str]:
     """The names (comma-separated) that some run under `sweep` has."""
     sys.path.insert(0, str(REPO))
     from dflash.core.rundir import find_runs
-    from dflash.tools.compare import known_keys
+    from dflash.analysis.compare import known_keys
 
     known = known_keys(find_runs([sweep]))
     return [k for k in names.split(",") if k in known]

@@ -5,7 +5,7 @@
 # Checks 1-5 took 8.5 minutes on one H200: 30-40 s a job, of which ~17-19 s passed before its first log line
 # (Python's start and imports there) and 7-15 s training. On one H100: checks 6, 7 and 8 took 3 minutes, checks 1
 # and 3 2.5 minutes. CHECKS="6" (or any subset) runs only those checks.
-#   0. issue 47: the lease of make real's target (python -m dflash.tools.gpu_real), dry-run on the tiny random target
+#   0. issue 47: the lease of make real's target (python -m dflash.offline_gpu.cli), dry-run on the tiny random target
 #      with call 2 on the GPU: stage, call 1, a changed part refused, call 2 (seconds of training), the evaluation.
 #      The real lease is scripts/gpu_real_call1.sh then gpu_real_call2.sh, staged here (docs/training.md)
 #   1. the smoke job on CUDA, async and sync pipelines (train, checkpoints, eval tau, export)
@@ -70,7 +70,7 @@ SMOKE=(launch.py experiment=smoke model.device=cuda train.max_steps=20)
 
 if wants 0; then
   echo "== 0. the lease of make real's target, dry-run on the tiny random target (call 2 on the GPU)"
-  run gpu_real_dry 300 "$PY" -m dflash.tools.gpu_real dry-run --device cuda --root "$OUT/gpu_real_dry"
+  run gpu_real_dry 300 "$PY" -m dflash.offline_gpu.cli dry-run --device cuda --root "$OUT/gpu_real_dry"
   tail -12 "$OUT/gpu_real_dry.log"
 fi
 

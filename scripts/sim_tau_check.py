@@ -45,7 +45,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     from dflash.model.export import load_drafter
-    from dflash.tools.rank_corr import spearman
+    from dflash.analysis.rank_corr import spearman
 
     rows = []
     for run in sorted({e.parent for d in args.dirs for e in d.rglob("eval.json")}):

@@ -21,7 +21,10 @@ ENTRY_POINTS = {
     "dflash.features",
     "dflash.plan",
 }
-PACKAGES = {"core", "data", "model", "train", "tracking", "evaluation", "runner", "tools"}
+PACKAGES = {
+    *("core", "data", "model", "train", "tracking", "evaluation", "runner"),
+    *("cli", "analysis", "recipes", "benchmarks", "offline_gpu"),  # the fourth pass: tools/ split by job
+}
 
 # floor of each module prefix (lower number = lower floor); a module may import its own floor or below
 LAYERS = {
@@ -44,7 +47,12 @@ LAYERS = {
     "dflash.runner.lifecycle": 9,
     "dflash.runner.preflight": 9,  # launch.py's checks before Hydra runs: composes, validates, looks at data and target
     "dflash.runner.entry": 10,  # what launch.py calls: the argv before Hydra, the job's exits after it
-    "dflash.tools": 11,  # the CLIs (compare, sweep, export, regenerate, bench): nothing imports them
+    # the rooms above the program: nothing below imports them
+    "dflash.cli": 11,  # the thin CLIs (benchmark, export, features, plan)
+    "dflash.analysis": 11,  # runs compared by their directories: compare, seeds, curves, sweeps' summary, cost
+    "dflash.recipes": 12,  # make real and its data, regeneration (uses analysis' run cost)
+    "dflash.benchmarks": 12,  # python -m dflash.bench (sweep uses cli.features)
+    "dflash.offline_gpu": 13,  # the real target on a GPU node without network (uses recipes and benchmarks)
 }
 
 
@@ -195,6 +203,35 @@ def test_moved_modules_still_import_from_their_old_paths():
     assert type(back) is dflash.runner.lifecycle.RunInterrupted and str(back) == "stopped"
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("dflash.no_such_module")
+
+
+def test_no_room_holds_more_than_a_fifth_of_the_package():
+    """The fourth pass: a folder of dflash/ is a room with a job, not a hallway (tools/ held 30%)."""
+    sizes = {d.name: sum(len(p.read_text().splitlines()) for p in d.rglob("*.py")) for d in PACKAGE.iterdir()}
+    total = sum(len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py"))
+    big = {name: f"{n / total:.0%}" for name, n in sizes.items() if n > total * 0.21}
+    assert not big, f"rooms over a fifth of dflash/'s {total} lines: {big}"
+
+
+def test_the_old_tools_paths_import_and_run():
+    """dflash.tools.* moved into rooms (cli, analysis, recipes, benchmarks, offline_gpu): a script's import, a saved
+    Hydra `_target_` and `python -m dflash.tools.NAME` reach the module at its new place, loaded once."""
+    import importlib
+    import subprocess
+    import sys
+
+    from hydra.utils import get_class
+
+    import dflash.benchmarks.step
+    import dflash.recipes.make_real
+
+    assert importlib.import_module("dflash.tools.make_real") is dflash.recipes.make_real
+    assert importlib.import_module("dflash.tools.bench.step") is dflash.benchmarks.step
+    assert get_class("dflash.tools.sweep.SweepSummaryCallback").__module__ == "dflash.analysis.sweep"
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash.tools.make_real", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and "--max-turn-chars" in out.stdout, out.stderr[-2000:]
 
 
 def floors_and_arrows() -> str:

@@ -36,9 +36,9 @@ def run_from_store(tmp_path_factory, tiny_target, cache_dir):
 
 
 def test_the_peer_bench_trains_speculators_on_the_runs_rows_and_evaluates_both(run_from_store, capsys):
+    from dflash.benchmarks import main
     from dflash.model.drafter import DFlashDraftModel
     from dflash.model.export import load_drafter
-    from dflash.tools.bench import main
 
     out = run_from_store / "bench"
     main(["peer", str(run_from_store / "run"), f"out={out}"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash.tools.bench.pipeline import bench
+from dflash.benchmarks.pipeline import bench
 
 FEW_STEPS = ["steps=2", "warmup=1", "batch_size=1", "seq_len=32", "num_anchors=2", "threads=1"]
 

@@ -179,9 +179,9 @@ def test_bench_columns_and_wandb_rows_name_a_jsonl_suite_by_its_file():
 def test_benchmark_packaged_suites_on_a_trained_drafter(tmp_path, cache_dir, tiny_target, monkeypatch, capsys):
     from transformers import AutoModelForCausalLM
 
+    from dflash.analysis.compare_cli import main as compare_main
+    from dflash.cli import benchmark
     from dflash.evaluation import benchmark as runner
-    from dflash.tools import benchmark_cli as benchmark
-    from dflash.tools.compare_cli import main as compare_main
     from dflash.train.checkpointer import load_drafter_from_source
 
     run_dir = tmp_path / "run"

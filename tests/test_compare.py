@@ -17,12 +17,12 @@ import yaml
 from hydra.core.utils import JobStatus
 from omegaconf import OmegaConf
 
+from dflash.analysis.compare import compare_table, diff_table
+from dflash.analysis.compare_cli import main, render
+from dflash.analysis.seed_groups import group_runs, group_table
+from dflash.analysis.sweep import SWEEP_FILE, SweepSummaryCallback
 from dflash.core import rundir
 from dflash.core.rundir import find_runs, load_run
-from dflash.tools.compare import compare_table, diff_table
-from dflash.tools.compare_cli import main, render
-from dflash.tools.seed_groups import group_runs, group_table
-from dflash.tools.sweep import SWEEP_FILE, SweepSummaryCallback
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -319,7 +319,7 @@ def test_callback_writes_sweep_json_after_each_job(sweep_dir: Path, caplog: pyte
     assert jobs[2]["config"] == {"loss.kl_temperature": 2.0, "loss.streak_alpha": 0.0}
     assert jobs[0]["run_dir"] == "0" and "status_stale" not in jobs[0]
 
-    with caplog.at_level("INFO", logger="dflash.tools.sweep"):
+    with caplog.at_level("INFO", logger="dflash.analysis.sweep"):
         cb.on_multirun_end(_job_cfg(sweep_dir, None))
     assert json.loads((sweep_dir / SWEEP_FILE).read_text())["finished"] is True
     assert "loss.streak_alpha" in caplog.text and "failed" in caplog.text
@@ -338,7 +338,7 @@ def test_callback_marks_killed_and_unsnapshotted_jobs(sweep_dir: Path, caplog: p
     assert jobs[4]["status"] == "running" and jobs[4]["status_stale"] is True
     assert jobs[5]["status"] == "failed" and jobs[5]["config"]["loss.kl_temperature"] is None
     assert jobs[2]["hydra_status"] is None and jobs[2]["status"] == "completed"  # not seen by this callback
-    with caplog.at_level("WARNING", logger="dflash.tools.sweep"):
+    with caplog.at_level("WARNING", logger="dflash.analysis.sweep"):
         cb.on_multirun_end(_job_cfg(sweep_dir, None))
     assert "still says running" in caplog.text
 
@@ -390,7 +390,7 @@ def test_real_hydra_multirun_with_a_failed_job(tmp_path: Path) -> None:
             "-m",
             "+alpha=0.0,0.5,1.0",
             f"hydra.sweep.dir={sweep}",
-            "+hydra.callbacks.sweep_summary._target_=dflash.tools.sweep.SweepSummaryCallback",
+            "+hydra.callbacks.sweep_summary._target_=dflash.analysis.sweep.SweepSummaryCallback",
         ],
         cwd=tmp_path,
         env=env,
@@ -421,7 +421,7 @@ def test_eval_json_metrics_fill_in_without_summary(tmp_path: Path) -> None:
 
 
 def test_sort_keeps_numbers_before_text_in_both_directions() -> None:
-    from dflash.tools.compare import sort_items
+    from dflash.analysis.compare import sort_items
 
     items = ["abc", 2, 1.0, None, "zz", float("nan")]
     assert sort_items(items, [("k", True)], lambda x, k: x)[:4] == [2, 1.0, "zz", "abc"]

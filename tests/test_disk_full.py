@@ -220,7 +220,7 @@ def test_regeneration_and_the_datasets_cache_check_the_disk_first(tmp_path, monk
     from test_data import _data_cfg, _load
 
     from dflash.core import disk
-    from dflash.tools.regenerate import regenerate_file
+    from dflash.recipes.regenerate import regenerate_file
 
     chats = tmp_path / "chats.jsonl"
     rows = [

@@ -334,7 +334,7 @@ def test_drafter_config_states_the_plain_rope_it_uses():
 
 
 def test_export_cli_reports_a_wrong_path_in_one_line(tmp_path, capsys):
-    from dflash.tools.export import main
+    from dflash.cli.export import main
 
     assert main([str(tmp_path / "nothere"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err

@@ -282,7 +282,7 @@ def test_dspark_export_loads_with_speculators_own_classes(tiny_dir, tmp_path, he
 
 
 def test_cost_per_draft_cycle_counts_the_heads_and_prints_every_family(capsys):
-    from dflash.tools.bench.families import _drafter, _options, bench, proposal_flops
+    from dflash.benchmarks.families import _drafter, _options, bench, proposal_flops
 
     opts = _options(["hidden=64", "vocab=500", "layers=1", "heads=2", "kv_heads=1", "head_dim=32",
                      "intermediate=128", "block=4", "ctx=8", "rank=8"])  # fmt: skip
@@ -304,7 +304,7 @@ def test_cost_per_draft_cycle_counts_the_heads_and_prints_every_family(capsys):
 
 
 def test_cost_per_draft_cycle_with_a_target_gives_each_family_its_break_even_tau(capsys):
-    from dflash.tools.bench.families import bench
+    from dflash.benchmarks.families import bench
 
     bench(["hidden=64", "vocab=500", "layers=1", "heads=2", "kv_heads=1", "head_dim=32", "intermediate=128",
            "block=4", "ctx=8", "rank=8", "repeats=1", "warmup=0", "target_layers=2"])  # fmt: skip
@@ -390,10 +390,10 @@ def test_dflash2_export_loads_with_speculators_own_classes(tiny_dir, tmp_path):
 def test_a_block_size_the_family_cannot_run_is_refused_naming_both_sizes(tiny_dir, tmp_path, capsys):
     """DFlash2's convolutions span its training block: evaluate and benchmark refuse another size (a block of 8 at
     size 4 ran as two blocks of 4), naming both, before the target loads; DFlash and DSpark run at any size."""
+    from dflash.cli.benchmark import main as benchmark_main
     from dflash.evaluation.cli import main as evaluate_main
     from dflash.evaluation.evaluator import evaluate
     from dflash.model.export import export_drafter
-    from dflash.tools.benchmark_cli import main as benchmark_main
 
     _, drafter = _drafter(tiny_dir, "drafter=dflash2", "drafter.selector_rank=8", "drafter.selector_top_k=4")
     export_drafter(drafter, tmp_path / "dflash2", target=str(tiny_dir))

@@ -1,4 +1,4 @@
-"""make real's target on a lent GPU (python -m dflash.tools.gpu_real): the token files and data=tokens, the target
+"""make real's target on a lent GPU (python -m dflash.offline_gpu.cli): the token files and data=tokens, the target
 file split for the two calls and rebuilt (a changed or missing part refused by name), the pack that comes back,
 and the whole lease dry-run on CPU with the tiny random target."""
 
@@ -15,7 +15,7 @@ from dflash.core.hashing import file_sha256
 from dflash.data.prompts import heldout_prompts
 from dflash.data.tokens import load_token_data, read_tokens, token_files, write_tokens
 from dflash.data.training_data import build_training_data
-from dflash.tools.gpu_device import StageError, join_parts, split_file
+from dflash.offline_gpu.limits import StageError, join_parts, split_file
 
 
 def _records(n: int, vocab: int = 1000):
@@ -92,7 +92,7 @@ def test_the_target_file_splits_for_two_calls_and_a_changed_part_is_refused_by_n
 @pytest.mark.slow
 def test_the_whole_lease_dry_runs_on_cpu_with_the_tiny_target(tmp_path):
     """Stage, call 1, a changed part refused, call 2 with a budget of seconds, the evaluation here (~1.5 min)."""
-    from dflash.tools.gpu_real_dry import dry_run
+    from dflash.offline_gpu.dry_run import dry_run
 
     out = dry_run(tmp_path)
     assert "part 1 checked" in out["call1"]
@@ -116,7 +116,7 @@ def test_the_whole_lease_dry_runs_on_cpu_with_the_tiny_target(tmp_path):
 def test_a_second_call_2_reuses_the_data_made_from_the_same_stage_only(tmp_path):
     from argparse import Namespace
 
-    from dflash.tools.gpu_device_run import MADE, _regen_settings, made_before
+    from dflash.offline_gpu.node_run import MADE, _regen_settings, made_before
 
     manifest = {"data": {"sha256": "a" * 64}}
     args = Namespace(max_new_tokens=256, data="regen", regen_s=150.0, regen_batch=512)
@@ -133,8 +133,8 @@ def test_the_batch_is_the_largest_the_plan_fits_in_the_free_memory_up_to_the_cap
 
     import torch
 
-    from dflash.tools.gpu_device_run import pick_batch
-    from dflash.tools.sharegpt_data import compose
+    from dflash.offline_gpu.node_run import pick_batch
+    from dflash.recipes.sharegpt_data import compose
 
     cfg = compose("smollm2_gpu_real", ["model=tiny_random", f"model.target={tiny_target}", "train.seq_len=4096"])
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (80 << 30, 80 << 30))
@@ -150,6 +150,6 @@ def test_the_device_side_checks_parts_before_any_package_a_wheel_brings():
     import subprocess
     import sys
 
-    code = "import sys, dflash.tools.gpu_device; print(sorted({m.split('.')[0] for m in sys.modules}))"
+    code = "import sys, dflash.offline_gpu.limits; print(sorted({m.split('.')[0] for m in sys.modules}))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert not {"omegaconf", "hydra", "antlr4", "gguf", "accelerate", "torch", "numpy"} & set(eval(loaded))

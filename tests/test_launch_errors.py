@@ -136,7 +136,7 @@ def test_a_cached_hub_model_loads_offline_when_the_hub_is_unreachable(tmp_path, 
 def test_regenerate_without_a_server_names_the_url_and_the_fix(tmp_path):
     """`python -m dflash.regenerate ... --backend openai` with nothing listening: one error line, not the client's
     three chained tracebacks, naming the base URL and saying to start the server."""
-    from dflash.tools.regenerate import main
+    from dflash.recipes.regenerate import main
 
     chats = tmp_path / "chats.jsonl"
     chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")

@@ -8,9 +8,9 @@ import math
 import pytest
 from test_compare import base_config, write_run
 
+from dflash.analysis.compare_cli import main
+from dflash.analysis.learning_curve import curve_points, lookup_levels, projections
 from dflash.core.rundir import find_runs
-from dflash.tools.compare_cli import main
-from dflash.tools.learning_curve import curve_points, lookup_levels, projections
 
 
 def _runs(tmp_path):

@@ -1,4 +1,4 @@
-"""`make real`'s driver (dflash/tools/make_real.py): the phases in order, each timed in phases.json; a second run
+"""`make real`'s driver (dflash/recipes/make_real.py): the phases in order, each timed in phases.json; a second run
 reuses every phase; a run cut short is resumed, not started again. The phases' own work is faked here (the slow
 test in test_gguf_target.py trains against the real target)."""
 
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash.tools import make_real
+from dflash.recipes import make_real
 
 
 @pytest.fixture
@@ -268,7 +268,7 @@ def test_turns_cut_elsewhere_train_on_their_own_files(fake):
 
 def test_answers_of_other_settings_stop_make_real_in_one_line(fake):
     """The old `--dtype auto` left bfloat16 answers where float32 ones are asked for now: refused, naming both."""
-    from dflash.tools.regenerate import SettingsMismatch
+    from dflash.recipes.regenerate import SettingsMismatch
 
     fake.state["refuse"] = SettingsMismatch("regen.jsonl holds 400 answers made with other settings (dtype: ...)")
     with pytest.raises(SystemExit, match=r"^error: regen.jsonl holds 400 answers made with other settings"):

@@ -18,8 +18,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 from optuna.trial import TrialState
 
-from dflash.tools.compare_cli import main as compare_main
-from dflash.tools.sweep import (
+from dflash.analysis.compare_cli import main as compare_main
+from dflash.analysis.sweep import (
     OPTUNA_SEARCH_ATTR,
     OptunaSearchError,
     SweepSummaryCallback,
@@ -147,7 +147,7 @@ def test_failed_or_nan_trials_do_not_stop_the_search(tmp_path):
             "searchpath": [f"file://{REPO / 'conf'}"],
             "sweep": {"dir": str(sweep), "subdir": "${hydra.job.num}"},
             "sweeper": {"study_name": "fake", "n_trials": 5, "params": {"x": "interval(0.0, 1.0)"}},
-            "callbacks": {"sweep_summary": {"_target_": "dflash.tools.sweep.SweepSummaryCallback"}},
+            "callbacks": {"sweep_summary": {"_target_": "dflash.analysis.sweep.SweepSummaryCallback"}},
         },
     }
     (tmp_path / "conf" / "config.yaml").write_text(yaml.safe_dump(config))

@@ -12,8 +12,8 @@ from hydra import initialize_config_dir
 from omegaconf import MISSING, OmegaConf, open_dict
 
 from dflash.core.cli_flags import translate_wandb_flags
-from dflash.core.config import OPTION_KEYS, READ_ONLY_BY, UNREAD_WHILE
 from dflash.core.override_effects import SweepEffects, sweep_problems, unused_overrides
+from dflash.core.read_keys import OPTION_KEYS, READ_ONLY_BY, UNREAD_WHILE
 
 CONF = str(REPO / "conf")
 

@@ -14,6 +14,7 @@ import pytest
 from conftest import REPO, compose_config
 from test_distributed import torchrun
 
+from dflash.cli.plan import main, split_args
 from dflash.model.plan import (
     GIB,
     KNOWN_TARGETS,
@@ -24,7 +25,6 @@ from dflash.model.plan import (
     memory_parts,
 )
 from dflash.model.tiny import ensure_target
-from dflash.tools.plan import main, split_args
 
 TOLERANCE = 0.15
 

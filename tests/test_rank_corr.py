@@ -7,9 +7,9 @@ import json
 import pytest
 from test_compare import base_config, write_run
 
+from dflash.analysis.compare_cli import main
+from dflash.analysis.rank_corr import rank_corr_table, ranks, spearman
 from dflash.core.rundir import find_runs
-from dflash.tools.compare_cli import main
-from dflash.tools.rank_corr import rank_corr_table, ranks, spearman
 
 
 def test_ranks_and_spearman_by_hand() -> None:

@@ -17,8 +17,8 @@ def _supervised(tokenizer, record: dict) -> tuple[list[int], list[list[int]]]:
 
 def test_hf_backend_marks_a_cut_answer_and_its_end_of_turn_is_not_supervised(tiny_target, tiny_tokenizer):
     from dflash.data.chat import end_of_turn_marker
-    from dflash.tools.regen_backends import GenerationSettings, HFBackend
-    from dflash.tools.regenerate import regenerate_record_turns
+    from dflash.recipes.regen_backends import GenerationSettings, HFBackend
+    from dflash.recipes.regenerate import regenerate_record_turns
 
     # the tiny random target never ends a turn within 4 tokens: every answer is cut
     backend = HFBackend(str(tiny_target), GenerationSettings(max_new_tokens=4), device="cpu", dtype="float32")
@@ -68,7 +68,7 @@ def test_only_a_cut_turns_end_of_turn_is_left_unsupervised(tiny_tokenizer):
 
 
 def test_openai_backend_marks_a_length_finish_and_sends_plain_messages():
-    from dflash.tools.regen_backends import GenerationSettings, OpenAIBackend
+    from dflash.recipes.regen_backends import GenerationSettings, OpenAIBackend
 
     sent = []
 

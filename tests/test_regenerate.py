@@ -31,7 +31,7 @@ def _conversation(i: int) -> dict:
 
 
 def _hf_backend(target: Path, max_new_tokens: int = 12):
-    from dflash.tools.regen_backends import GenerationSettings, HFBackend
+    from dflash.recipes.regen_backends import GenerationSettings, HFBackend
 
     # float32, as the test's server runs the target: on a CPU with fast bf16 kernels `auto` would answer in bf16
     return HFBackend(str(target), GenerationSettings(max_new_tokens=max_new_tokens), device="cpu", dtype="float32")
@@ -41,7 +41,7 @@ def _hf_backend(target: Path, max_new_tokens: int = 12):
 def answered(tiny_target, tmp_path_factory):
     """Conversations the tiny random target answers (it ends some turns at once: an empty reply), with the hf
     backend's regeneration of each: what the server must reproduce at temperature 0."""
-    from dflash.tools.regenerate import regenerate_record_turns
+    from dflash.recipes.regenerate import regenerate_record_turns
 
     backend = _hf_backend(tiny_target)
     records = [_conversation(i) for i in range(40)]
@@ -153,7 +153,7 @@ def test_failed_requests_are_counted_and_retried_not_fatal(server, answered, tmp
 def test_hf_backend_output_trains_with_data_jsonl(answered, tiny_target, tiny_tokenizer, tmp_path):
     """OUT is what data=jsonl reads: every regenerated record renders, with every assistant turn supervised."""
     from dflash.data.chat import end_of_turn_marker, render_record
-    from dflash.tools.regenerate import regenerate_file
+    from dflash.recipes.regenerate import regenerate_file
 
     good, _ = answered
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -171,7 +171,7 @@ def test_hf_backend_fails_only_the_records_its_template_rejects(answered, tiny_t
     """ShareGPT's quirks through the hf backend, from a .json array: a leading assistant turn is context (the
     template here rejects it: that record fails alone, as template_rejects), an empty conversation and a lone
     gpt turn fail with training's reasons, the rest are regenerated."""
-    from dflash.tools.regenerate import failures_path, regenerate_file
+    from dflash.recipes.regenerate import failures_path, regenerate_file
 
     backend = _hf_backend(tiny_target)
     backend.tokenizer.chat_template = (
@@ -201,8 +201,8 @@ def test_failures_are_counted_by_their_type_not_by_words_in_their_text():
     """A connection error that mentions a template or an empty body is a failed request; the backends' own
     refusals (and a bad record's) carry their reason whatever their message says."""
     from dflash.data.corpus import BadRecordError
-    from dflash.tools.regen_backends import EmptyReply, TemplateRejects
-    from dflash.tools.regenerate import reason
+    from dflash.recipes.regen_backends import EmptyReply, TemplateRejects
+    from dflash.recipes.regenerate import reason
 
     assert reason(ConnectionError("upstream sent an empty body while rendering the template")) == "request_failed"
     assert reason(TemplateRejects("the chat template rejects the conversation (must start with user)")) == (

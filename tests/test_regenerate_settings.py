@@ -32,7 +32,7 @@ def _input(tmp_path, n: int = 6):
 
 
 def test_a_resume_with_another_target_is_refused_naming_both(tmp_path):
-    from dflash.tools.regenerate import regenerate_file, settings_path
+    from dflash.recipes.regenerate import regenerate_file, settings_path
 
     inp, out = _input(tmp_path), tmp_path / "out.jsonl"
     regenerate_file(inp, out, _Backend("chat-v1"), chunk_size=2)
@@ -61,7 +61,7 @@ def test_a_resume_with_another_target_is_refused_naming_both(tmp_path):
 def test_a_resume_from_another_input_is_refused_naming_both(tmp_path):
     """The issue's case: a.jsonl into OUT, cut after 2 answers, then b.jsonl into the same OUT must not give
     A0, A1, B2, B3; the same records moved elsewhere are the same input and resume."""
-    from dflash.tools.regenerate import regenerate_file, settings_path
+    from dflash.recipes.regenerate import regenerate_file, settings_path
 
     a, out = _input(tmp_path), tmp_path / "out.jsonl"
     b = tmp_path / "b.jsonl"
@@ -87,7 +87,7 @@ def test_a_resume_from_another_input_is_refused_naming_both(tmp_path):
 def test_an_input_grown_by_more_records_keeps_the_answers_made(tmp_path):
     """`make real REAL_RECORDS=1200` after 400: the first 400 prompts are the same records, so their answers are
     kept and only the new ones are asked; the same prompts in another order are refused (source_index would lie)."""
-    from dflash.tools.regenerate import regenerate_file
+    from dflash.recipes.regenerate import regenerate_file
 
     out = tmp_path / "out.jsonl"
     regenerate_file(_input(tmp_path, 4), out, _Backend("chat-v1"), chunk_size=2)
@@ -112,7 +112,7 @@ def _record(i: int) -> str:
 
 
 def test_a_new_output_takes_any_settings(tmp_path):
-    from dflash.tools.regenerate import regenerate_file, settings_path
+    from dflash.recipes.regenerate import regenerate_file, settings_path
 
     inp, out = _input(tmp_path, 2), tmp_path / "out.jsonl"
     settings_path(out).write_text(json.dumps({"backend": "fake", "target": "old"}))  # left from a deleted OUT
@@ -121,7 +121,7 @@ def test_a_new_output_takes_any_settings(tmp_path):
 
 
 def test_generation_is_bfloat16_where_the_cpu_has_fast_kernels_for_it():
-    from dflash.tools.regen_backends import generation_dtype
+    from dflash.recipes.regen_backends import generation_dtype
 
     assert generation_dtype("auto", "cpu", {"avx2", "avx512_bf16"}) == "bfloat16"
     assert generation_dtype("auto", "cpu", {"avx2"}) == "float32"
@@ -132,7 +132,7 @@ def test_generation_is_bfloat16_where_the_cpu_has_fast_kernels_for_it():
 
 def test_the_hf_backend_names_the_target_files_it_answers_with(tiny_target, tmp_path):
     """A target rebuilt at the same path (other weights) is another target."""
-    from dflash.tools.regen_backends import GenerationSettings, HFBackend
+    from dflash.recipes.regen_backends import GenerationSettings, HFBackend
 
     copy = tmp_path / "target"
     shutil.copytree(tiny_target, copy)
@@ -163,7 +163,7 @@ class _Busy(_Backend):
 def test_out_cost_json_adds_up_what_the_answers_cost_over_resumes(tmp_path):
     """make real's cost of a run counts the regeneration however many runs made the answers (#46): each resume
     adds its CPU and wall seconds and answers; a new OUT starts a new account."""
-    from dflash.tools.regenerate import cost_path, read_cost, regenerate_file
+    from dflash.recipes.regenerate import cost_path, read_cost, regenerate_file
 
     inp, out = _input(tmp_path, 6), tmp_path / "out.jsonl"
     assert read_cost(out) == {"cpu_s": 0.0, "wall_s": 0.0, "answers": 0}  # none recorded
@@ -196,7 +196,7 @@ def test_a_targets_json_rewritten_in_place_by_its_builder_keeps_the_answers(tmp_
     """model/gguf_target.py rewrites a cached conversion's config.json and tokenizer_config.json as a plain
     checkpoint's (the same RoPE in both forms): the 400 answers regenerated before are still this target's. The
     same file hashes otherwise: other weights, another build, or a target without build_info.json."""
-    from dflash.tools.regenerate import regenerate_file
+    from dflash.recipes.regenerate import regenerate_file
 
     inp, out = _input(tmp_path, 4), tmp_path / "out.jsonl"
     regenerate_file(inp, out, _Built(), chunk_size=2)

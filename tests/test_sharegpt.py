@@ -265,7 +265,7 @@ class _Backend:
         return {"backend": self.name}
 
     def complete(self, conversations):
-        from dflash.tools.regen_backends import TemplateRejects
+        from dflash.recipes.regen_backends import TemplateRejects
 
         if self.fail_batch:
             raise RuntimeError("CUDA out of memory")
@@ -281,7 +281,7 @@ class _Backend:
 
 
 def test_regenerate_the_real_file_never_fails_the_job(real_head, tmp_path):
-    from dflash.tools.regenerate import failures_path, regenerate_file
+    from dflash.recipes.regenerate import failures_path, regenerate_file
 
     out = tmp_path / "regen.jsonl"
     backend = _Backend()

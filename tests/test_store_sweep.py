@@ -1,5 +1,5 @@
 """What a feature store saves: `python -m dflash.bench sweep` (measured: its table is whole, positive and adds up)
-and `dflash.tools.store_cost` (arithmetic: the drafter's parameters, the FLOPs, the GPU-hours, the bytes per token,
+and `dflash.analysis.store_cost` (arithmetic: the drafter's parameters, the FLOPs, the GPU-hours, the bytes per token,
 each checked against a count done here by hand)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import sys
 import pytest
 from conftest import REPO
 
+from dflash.analysis import store_cost
+from dflash.benchmarks import sweep
 from dflash.model import plan
-from dflash.tools import store_cost
-from dflash.tools.bench import sweep
 
 Q8B, Q27B = store_cost.TARGETS["Qwen3-8B"], store_cost.TARGETS["Qwen3.6-27B"]
 

@@ -9,7 +9,7 @@ import json
 import pytest
 from conftest import launch
 
-from dflash.tools.compare_cli import main as compare_main
+from dflash.analysis.compare_cli import main as compare_main
 
 pytestmark = pytest.mark.slow
 
@@ -155,7 +155,7 @@ def test_sweep_json_is_written_under_a_lock(tmp_path):
     import threading
     import time
 
-    from dflash.tools.sweep import SWEEP_FILE, _sweep_lock, summarize_sweep
+    from dflash.analysis.sweep import SWEEP_FILE, _sweep_lock, summarize_sweep
 
     done = threading.Event()
     with _sweep_lock(tmp_path):

@@ -125,7 +125,7 @@ def test_bench_flop_count_sees_the_fused_lm_head(parts, tiny_target):
     autograd function). kl computes the teacher's logits at every drafted position (its soft labels, and
     train/sim_tau's target argmax from them); ce_decay online only the target's argmax, once per distinct position
     (from a store, not at all), so it counts fewer: draft logits and their gradient, at least."""
-    from dflash.tools.bench.pipeline import drafter_step_flops
+    from dflash.benchmarks.pipeline import drafter_step_flops
 
     cfg, target, _, mask_id = parts
     item = TargetForward(target, torch.device("cpu"))(_batch())

@@ -1,5 +1,5 @@
 """Overrides that do nothing: a key the chosen loss, schedule, pipeline, optimizer, drafter family or W&B sink does
-not read (`config.READ_ONLY_BY`), or one another key turns off (`config.UNREAD_WHILE`: DSpark's markov_head_type
+not read (`read_keys.READ_ONLY_BY`), or one another key turns off (`read_keys.UNREAD_WHILE`: DSpark's markov_head_type
 under markov_rank=0). launch.py's W&B flags are such overrides too (`--wandb-project P` is
 `logging.wandb.project=P`), and are named in the message: under logging=jsonl they name no W&B run.
 
@@ -24,7 +24,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.core.cli_flags import NAME_FLAGS
-from dflash.core.config import OPTION_KEYS, READ_ONLY_BY, UNREAD_WHILE
+from dflash.core.read_keys import OPTION_KEYS, READ_ONLY_BY, UNREAD_WHILE
 
 log = logging.getLogger(__name__)
 

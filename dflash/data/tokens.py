@@ -1,5 +1,5 @@
 """`data=tokens`: conversations already rendered into token ids, read without a tokenizer pass or the `datasets`
-package (what a machine with only torch and transformers can train on: `python -m dflash.tools.gpu_real`).
+package (what a machine with only torch and transformers can train on: `python -m dflash.offline_gpu.cli`).
 
 A token file is one `.npz` (numpy's zip of arrays; `data.path` names one, or a directory of them, read in name
 order as one sequence of records):

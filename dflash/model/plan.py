@@ -378,7 +378,7 @@ def largest_fit(
 
 def flops_per_sequence(model_cfg, t: TargetShape, seq_len: int, anchors: int) -> dict[str, float]:
     """FLOPs of one training sequence of `seq_len` tokens with `anchors` blocks of `model.block_size` (the one
-    FLOP model: `python -m dflash.plan` and `python -m dflash.tools.store_cost` both use it):
+    FLOP model: `python -m dflash.plan` and `python -m dflash.analysis.store_cost` both use it):
 
       target    2 x (params less the embedding and LM head: the features need neither) per token, plus its
                 causal attention, 2 x layers x heads x head_dim x seq_len per token (every layer counted as full
