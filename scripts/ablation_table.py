@@ -42,8 +42,8 @@ def table(sweep: Path, metrics: list[str], rank_corr: str | None) -> str:
 def known_names(sweep: Path, names: str) -> list[str]:
     """The names (comma-separated) that some run under `sweep` has."""
     sys.path.insert(0, str(REPO))
-    from dflash.core.rundir import find_runs
     from dflash.analysis.compare import known_keys
+    from dflash.core.rundir import find_runs
 
     known = known_keys(find_runs([sweep]))
     return [k for k in names.split(",") if k in known]

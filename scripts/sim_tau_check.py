@@ -44,8 +44,8 @@ def main() -> int:
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM
 
-    from dflash.model.export import load_drafter
     from dflash.analysis.rank_corr import spearman
+    from dflash.model.export import load_drafter
 
     rows = []
     for run in sorted({e.parent for d in args.dirs for e in d.rglob("eval.json")}):

@@ -15,8 +15,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash.core.rundir import find_runs  # noqa: E402
 from dflash.analysis.seed_groups import group_ci95, group_mean, group_runs, paired_difference  # noqa: E402
+from dflash.core.rundir import find_runs  # noqa: E402
 
 SEED = "train.seed"
 
