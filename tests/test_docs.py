@@ -13,7 +13,8 @@ from conftest import REPO, launch
 README_MAX_LINES = 260
 ARCHITECTURE = REPO / "docs" / "architecture.md"
 # a backticked metric name: `group/name` (with <k> or <a|b> placeholders) or a top-level field of a record
-METRIC = re.compile(r"`((?:[a-z]+/[A-Za-z0-9_<>|]+)|step|tokens|time_s|wall_time_s|status|stop_reason)`")
+TOP_LEVEL = "step|tokens|time_s|wall_time_s|status|stop_reason|precision|precision_requested"
+METRIC = re.compile(rf"`((?:[a-z]+/[A-Za-z0-9_<>|]+)|{TOP_LEVEL})`")
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
 

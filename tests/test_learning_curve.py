@@ -59,3 +59,34 @@ def test_the_projection_says_how_many_cpu_hours_reach_prompt_lookup(tmp_path):
     per_doubling = 0.2 / math.log2(3)
     assert bf16["tau_per_doubling"] == pytest.approx(per_doubling)
     assert bf16["cpu_hours_to_lookup"] == pytest.approx(600 / 3600 * 2 ** (0.125 / per_doubling))
+
+
+def test_the_token_axis_is_supervised_tokens_where_every_run_counted_them_else_says_all_tokens(tmp_path):
+    """Issue 57: `tokens` counts every token of every batch (on chat data ~4x the supervised ones); the curve reads
+    train/supervised_tokens, and where a run lacks it the axis says it counts all tokens."""
+    from dflash.analysis.learning_curve import token_axis
+
+    runs = _runs(tmp_path / "old")
+    assert token_axis(runs) == ("tokens", "tokens seen (all, not only supervised)")
+    for steps in (100, 300):
+        summary = {"eval/tau": 1.2, "tokens": steps * 1024, "train/supervised_tokens": steps * 256, "step": steps}
+        write_run(tmp_path / "new" / str(steps), base_config(tmp_path, train={"max_steps": steps}), [], summary=summary)
+    new = find_runs([str(tmp_path / "new")])
+    assert token_axis(new) == ("train/supervised_tokens", "supervised tokens seen")
+    xs = sorted(x for p in curve_points(new)["runs"].values() for x in p.tokens)
+    assert xs == [100 * 256, 300 * 256]
+
+
+def test_a_recipe_is_grouped_by_the_precision_that_ran(tmp_path):
+    """Issue 57: bf16-mixed that fell back to fp32 (run.json's `precision`) is not drawn or compared as bf16-mixed."""
+    import json
+
+    runs = _runs(tmp_path)
+    for run in runs:
+        if run.config["train.precision"] == "bf16-mixed" and run.config["train.seed"] == 1:
+            info = json.loads((run.path / "run.json").read_text())
+            info["precision"] = {"requested": "bf16-mixed", "ran": "fp32", "fallback": "a CPU without bf16"}
+            (run.path / "run.json").write_text(json.dumps(info))
+    curves = curve_points(find_runs([str(tmp_path)]))
+    assert set(curves) == {"precision=fp32", "precision=bf16-mixed", "precision=fp32 (bf16-mixed requested)"}
+    assert all(len(p.tau["held-out"]) == 1 for p in curves["precision=bf16-mixed"].values())

@@ -1,7 +1,9 @@
 """`python -m dflash.compare DIR ... --curve OUT.png`: how much tau a unit of compute buys.
 
 One panel per set of prompts (held-out eval and each benchmark suite at temperature 0), two rows: tau against the
-supervised tokens a drafter saw (`tokens`), and against the CPU-hours its run cost. A recipe is a line: runs equal
+supervised tokens a drafter saw (`train/supervised_tokens`: the loss mask's tokens, on chat data the assistant turns
+only), and against the CPU-hours its run cost. Where a run predates that count, the axis is every token of every
+batch (`tokens`) for all runs, and says so. A recipe is a line: runs equal
 up to their budget (train.max_steps, train.max_tokens, train.max_minutes) and seed form one recipe; runs of a recipe
 at one budget are averaged over seeds (error bars: their range). Prompt lookup on the same prompts is a horizontal
 line per panel (the mean over the runs that measured it), so a recipe's curve crossing it is the budget at which
@@ -26,6 +28,7 @@ from dflash.core.jsonio import is_number
 from dflash.core.rundir import Run
 
 BUDGET_KEYS = ("train.max_steps", "train.max_tokens", "train.max_minutes")
+SUPERVISED = "train/supervised_tokens"
 HELD_OUT = "held-out"
 
 
@@ -63,6 +66,15 @@ def run_cost_hours(run: Run) -> tuple[float | None, bool]:
     return None, True
 
 
+def token_axis(runs: Sequence[Run]) -> tuple[str, str]:
+    """(the metric the token axis reads, its label): supervised tokens where every run with a tau counted them, else
+    every token of every batch, labelled so (runs before train/supervised_tokens; on chat data ~4x the supervised)."""
+    measured = [r for r in runs if panel_taus(r)]
+    if measured and all(is_number(r.metrics.get(SUPERVISED)) for r in measured):
+        return SUPERVISED, "supervised tokens seen"
+    return "tokens", "tokens seen (all, not only supervised)"
+
+
 def recipe_label(run: Run, keys: Sequence[str]) -> str:
     return ", ".join(f"{k.split('.')[-1]}={run.get(k)}" for k in keys) or "runs"
 
@@ -74,6 +86,7 @@ def curve_points(runs: Sequence[Run], recipe_keys: Sequence[str] | None = None) 
         ignore = ("hydra", "paths", "logging", "features.path", "eval.replay_dir", *BUDGET_KEYS)
         recipe_keys = [k for k in varying_keys(runs, ignore) if k not in (DEFAULT_SEED_KEY, "train.data_seed")]
     curves: dict[str, dict[tuple, Point]] = {}
+    token_key = token_axis(runs)[0]
     for run in runs:
         taus = panel_taus(run)
         if not taus:
@@ -81,8 +94,8 @@ def curve_points(runs: Sequence[Run], recipe_keys: Sequence[str] | None = None) 
         budget = tuple(canon(run.get(k)) for k in BUDGET_KEYS)
         point = curves.setdefault(recipe_label(run, recipe_keys), {}).setdefault(budget, Point())
         hours, partial = run_cost_hours(run)
-        if is_number(run.metrics.get("tokens")):
-            point.tokens.append(float(run.metrics["tokens"]))
+        if is_number(run.metrics.get(token_key)):
+            point.tokens.append(float(run.metrics[token_key]))
         if hours is not None:
             point.cpu_hours.append(hours)
         point.partial_cost |= partial
@@ -150,13 +163,13 @@ def plot_curves(runs: Sequence[Run], out: str | Path, recipe_keys: Sequence[str]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curves, lookups = curve_points(runs, recipe_keys), lookup_levels(runs)
+    curves, lookups, token_label = curve_points(runs, recipe_keys), lookup_levels(runs), token_axis(runs)[1]
     panels = sorted({p for pts in curves.values() for pt in pts.values() for p in pt.tau}, key=lambda p: p != HELD_OUT)
     if not panels:
         raise ValueError("--curve: no run has eval/tau or bench/<suite>/tau to draw")
     fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 7.5), squeeze=False)
     for col, panel in enumerate(panels):
-        for row, (x_name, x_label) in enumerate((("tokens", "supervised tokens seen"), ("cpu_hours", "CPU-hours"))):
+        for row, (x_name, x_label) in enumerate((("tokens", token_label), ("cpu_hours", "CPU-hours"))):
             ax = axes[row][col]
             for label, points in curves.items():
                 xs, ys, lo, hi = [], [], [], []

@@ -409,7 +409,20 @@ def load_run(path: str | os.PathLike) -> Run:
     meta = read_json(p / RUN_INFO_FILE)
     if isinstance(meta, dict) and isinstance(meta.get("overrides"), list):
         run.overrides = [str(o) for o in meta["overrides"]]
+    if isinstance(meta, dict) and (ran := precision_ran(meta)):  # compare and curves group by what ran
+        run.config["train.precision"] = ran
     return run
+
+
+def precision_ran(info: dict) -> str | None:
+    """train.precision as it ran by run.json's `precision` records (the start's, each resume's): `fp32 (bf16-mixed
+    requested)` where it fell back, ` then ` where a resume changed it; None for runs recorded before them."""
+    names: list[str] = []
+    for part in [info, *(r for r in info.get("resumes") or [] if isinstance(r, dict))]:
+        if isinstance(rec := part.get("precision"), dict) and (ran := rec.get("ran")):
+            name = ran if rec.get("requested") in (None, ran) else f"{ran} ({rec['requested']} requested)"
+            names += [] if names and names[-1] == name else [name]
+    return " then ".join(names) or None
 
 
 def find_runs(dirs: Sequence[str | os.PathLike], markers: Sequence[str] = (CONFIG_FILE,)) -> list[Run]:

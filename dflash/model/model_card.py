@@ -67,6 +67,23 @@ def _commit(git: dict) -> str:
     return f" at commit {git['sha'][:12]}" + (" (with local changes)" if git.get("dirty") else "")
 
 
+def _fallback(info: dict) -> str:
+    """Why bf16-mixed ran as fp32 (run.json's latest `precision` record), or nothing."""
+    records = [p.get("precision") for p in [info, *(info.get("resumes") or [])] if isinstance(p, dict)]
+    last = next((r for r in reversed(records) if isinstance(r, dict)), {})
+    return f" (fell back: {last['fallback']})" if last.get("fallback") else ""
+
+
+def _resume_changes(info: dict) -> str:
+    """The loss and precision keys a resume changed, from the step it resumed at (run.json's `resumes`)."""
+    said = []
+    for r in info.get("resumes") or []:
+        if isinstance(r, dict) and r.get("changed"):
+            keys = ", ".join(f"`{k}` {v.get('from')} -> {v.get('to')}" for k, v in r["changed"].items())
+            said.append(f"resumed at step {r.get('from_step', '?')} with {keys}")
+    return "; " + "; ".join(said) if said else ""
+
+
 def model_card(run_dir: str | Path) -> str:
     """The card's text for the run directory's drafter."""
     run = load_run(run_dir)
@@ -93,12 +110,14 @@ def model_card(run_dir: str | Path) -> str:
     recipe = (
         f"`drafter={family}` (z-lab's DFlash layout{'' if family == 'dflash' else ' plus its family heads'}), "
         f"{c.get('model.num_draft_layers', '?')} layers over target layers {c.get('model.target_layer_ids', '?')}, "
-        f"block size {block}; `loss={c.get('loss.name', '?')}`, `optim={c.get('optim.name', '?')}` at "
-        f"`schedule.lr={c.get('schedule.lr', '?')}` ({c.get('schedule.name', '?')}), "
-        f"`train.precision={c.get('train.precision', 'fp32')}`, {m.get('step', '?')} steps of "
+        f"block size {block}; `loss={c.get('loss.name', '?')}` `loss.labels={c.get('loss.labels', 'data')}`, "
+        f"`optim={c.get('optim.name', '?')}` at `schedule.lr={c.get('schedule.lr', '?')}` "
+        f"({c.get('schedule.name', '?')}), `train.precision={c.get('train.precision', 'fp32')}`{_fallback(info)}, "
+        f"{m.get('step', '?')} steps of "
         f"{c.get('train.batch_size', '?')} x {c.get('train.seq_len', '?')} tokens with "
         f"{c.get('train.num_anchors', '?')} anchors a row, seed {c.get('train.seed', '?')}"
     )
+    recipe += _resume_changes(info)
     rows = tau_rows(m)
     table = [
         "| prompts | tau | 95% interval | prompt lookup | tau - lookup (paired, 95%) | n |",
@@ -123,7 +142,8 @@ def model_card(run_dir: str | Path) -> str:
         "",
         f"- **Target**: `{target}`" + (f" (`{base}`)" if base != target else ""),
         f"- **Data**: `data={c.get('data.name', '?')}` `{c.get('data.path') or 'the embedded corpus'}`; "
-        f"{m.get('tokens', '?')} target tokens seen in training",
+        f"{m.get('tokens', '?')} target tokens seen in training"
+        + (f", {m['train/supervised_tokens']} of them supervised" if "train/supervised_tokens" in m else ""),
         f"- **Recipe**: {recipe}",
         f"- **Machine**: {_machine(info)}; {_fmt(m.get('wall_time_s'), 0)} s of wall time, status "
         f"`{m.get('status', run.status)}`",

@@ -20,6 +20,7 @@ from dflash.model.model_card import write_model_card
 from dflash.runner.job import Job
 from dflash.tracking import CallbackList
 from dflash.tracking.report import write_report
+from dflash.train.precision import precision_ran
 from dflash.train.time_budget import stop_reason
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,10 @@ def finish(
             {
                 "step": job.trainer.step,
                 "tokens": job.trainer.tokens,
+                "train/supervised_tokens": job.trainer.supervised_tokens,
+                # the precision that ran, and the one asked for (bf16-mixed falls back to fp32 where bf16 is slow)
+                "precision": precision_ran(job.trainer.autocast_dtype),
+                "precision_requested": cfg.train.precision,
                 "wall_time_s": round(time.time() - t_start, 3),
                 # every thread of this process since the job started (a multirun's jobs share one process)
                 "perf/job_cpu_s": round(time.process_time() - cpu_start, 3),

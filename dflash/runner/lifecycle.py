@@ -21,7 +21,7 @@ from dflash.core.rundir import RunDir, StatusFile
 from dflash.core.terminal import display, install_logging, uninstall_logging
 from dflash.core.validation import validate
 from dflash.runner.job_info import JobInfo, hydra_job_info
-from dflash.runner.resume import resume_config
+from dflash.runner.resume import resume_changes, resume_config
 from dflash.runner.run import train
 
 log = logging.getLogger(__name__)
@@ -36,15 +36,20 @@ def main(cfg: DictConfig, info: JobInfo | None = None) -> float | None:
     Under torchrun every rank runs this; rank 0 alone writes the run directory."""
     info = info or hydra_job_info()
     run = RunDir(info.run_dir)
+    changed = {}  # the loss and precision keys a resume changes: said in one line, recorded in run.json
     if cfg.resume:  # checked before anything is written: a refused resume leaves RUN_DIR as it was
-        cfg = resume_config(cfg, info.run_dir, info.overrides)
+        composed, cfg = cfg, resume_config(cfg, info.run_dir, info.overrides)
         validate(cfg)
+        changed = resume_changes(composed, cfg)
     # known before the World exists (joining it may fail, and that is recorded), the same under torchrun and submitit
     me = launch_identity(cfg.parallel)
     is_main = me.is_main
     replaced_handlers = install_logging()  # on a terminal, logs scroll above the live progress rows
     if is_main:  # loss.streak_alpha=0.5 under loss=dpace: said once, naming the option that reads it
         warn_unused_overrides(cfg, info.overrides)
+    if is_main and changed:
+        said = ", ".join(f"{k} {v['from']} -> {v['to']}" for k, v in changed.items())
+        log.warning("resume: %s from the checkpoint's step on (run.json's resumes record it)", said)
     if not is_main:  # its file is launch.rank<r>.log (rank_hydra_overrides); say whose it is
         log.warning("rank %d of %d (%s): this rank's warnings and errors", me.rank, me.size, me.role)
     status = StatusFile(run.path) if is_main else None
@@ -65,6 +70,8 @@ def main(cfg: DictConfig, info: JobInfo | None = None) -> float | None:
             run.write_config(cfg)
             if cfg.resume:
                 run.append_resume(info.overrides)
+                if changed:
+                    run.add_run_info("changed", changed, resumed=True)
             else:
                 run.write_run_info(info.overrides, info.choices)
         if not cfg.resume:  # after the files above: a fresh run's bad config still leaves status.json = failed

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash.core.config import ConfigError
 from dflash.core.distributed import World
-from dflash.core.rundir import CONFIG_FILE, RunDir
+from dflash.core.rundir import CONFIG_FILE, RunDir, flatten
 from dflash.data.fingerprint import differences
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,28 @@ def resume_config(cfg: DictConfig, job_dir: Path, overrides: list[str]) -> DictC
         cfg.resume_accept_data_change
     )
     return merged
+
+
+# what a resume may change but must say it changes: what the steps after it optimise, and in which precision
+_SAID_ON_RESUME = ("loss", "train.precision")
+
+
+def resume_changes(composed: DictConfig, resumed: DictConfig) -> dict[str, dict]:
+    """{key: {"from": saved, "to": now}} for each loss key and train.precision this resume's overrides change
+    (`composed`: this command's composition, `resumed`: resume_config's; read before the resume rewrites
+    config_resolved.yaml). The resume says it in one line; run.json's resume entry records it as `changed`."""
+    saved = OmegaConf.merge(composed, _upgrade(OmegaConf.load(Path(resumed.resume).expanduser() / CONFIG_FILE)))
+
+    def leaves(c: DictConfig) -> dict:
+        out = {}
+        for key in _SAID_ON_RESUME:
+            node = OmegaConf.select(c, key)
+            value = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+            out.update(flatten(value, key) if isinstance(value, dict) else {key: value})
+        return out
+
+    before, now = leaves(saved), leaves(resumed)
+    return {k: {"from": before.get(k), "to": now.get(k)} for k in sorted(before | now) if before.get(k) != now.get(k)}
 
 
 def check_data_unchanged(cfg: DictConfig, run: RunDir, world: World, ckpt: Path, meta: dict, current: dict) -> None:

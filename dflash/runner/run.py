@@ -31,6 +31,7 @@ from dflash.runner.job_info import JobInfo
 from dflash.tracking import CallbackList, RunInfo, build_callbacks
 from dflash.train.feature_store import StoreReader
 from dflash.train.pipeline import Pipeline
+from dflash.train.precision import precision_record
 from dflash.train.trainer import TargetForward, TrainingDiverged, total_steps
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ def resume(cfg: DictConfig, job: Job, run: RunDir) -> None:
     if world.is_main:
         run.add_run_info("data_fingerprint", job.fingerprint, resumed=bool(cfg.resume))
         run.add_run_info("optimizer", job.trainer.optimizer.describe(), resumed=bool(cfg.resume))
+        ran = precision_record(cfg.train.precision, job.trainer.device)  # requested, ran, why not the requested
+        run.add_run_info("precision", ran, resumed=bool(cfg.resume))  # compare, curves and the model card read it
         if (made := target_provenance(cfg.model.target)) is not None:  # a converted target: what it was made from
             run.add_run_info("target_provenance", made, resumed=bool(cfg.resume))
         if (plan := run_headline(cfg, world.size + world.target_ranks)) is not None:  # held against a GPU run
@@ -81,6 +84,7 @@ def resume(cfg: DictConfig, job: Job, run: RunDir) -> None:
             run.add_run_info("plan", plan, resumed=bool(cfg.resume))
     if cfg.resume and job.checkpoints.resume(job.trainer) is not None and world.is_main:
         run.truncate_metrics(job.trainer.step)  # the resumed run appends without duplicate steps
+        run.add_run_info("from_step", job.trainer.step, resumed=True)  # where its `changed` keys took over
     if world.target_ranks:
         world.broadcast_to_all(job.trainer.next_data)
 

@@ -22,23 +22,42 @@ from dflash.core.machine import cpu_model, slow_cpu_dtype
 log = logging.getLogger(__name__)
 
 
-def autocast_dtype(precision: str, device: torch.device, cpu_flags: set[str] | None = None) -> torch.dtype | None:
-    """The dtype the step autocasts to (None: float32 throughout). `cpu_flags` is for tests."""
+def resolve_precision(
+    precision: str, device: torch.device, cpu_flags: set[str] | None = None
+) -> tuple[torch.dtype | None, str | None]:
+    """(the dtype the step autocasts to, None: float32 throughout; why bf16-mixed fell back to fp32, or None).
+    `cpu_flags` is for tests."""
     if precision == "fp32":
-        return None
+        return None, None
     if precision != "bf16-mixed":
         raise ValueError(f"train.precision={precision!r} is invalid: must be fp32 or bf16-mixed")
     if device.type == "cpu" and slow_cpu_dtype("bfloat16", cpu_flags):
-        log.warning(
-            "train.precision=bf16-mixed falls back to fp32: this CPU (%s) has no fast bfloat16 kernels "
-            "(neither avx512_bf16 nor amx_bf16), where a mixed step is slower than a float32 one",
-            cpu_model(),
+        return None, (
+            f"this CPU ({cpu_model()}) has no fast bfloat16 kernels (neither avx512_bf16 nor amx_bf16), where a "
+            "mixed step is slower than a float32 one"
         )
-        return None
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        log.warning("train.precision=bf16-mixed falls back to fp32: this GPU has no bfloat16 support")
-        return None
-    return torch.bfloat16
+        return None, "this GPU has no bfloat16 support"
+    return torch.bfloat16, None
+
+
+def autocast_dtype(precision: str, device: torch.device, cpu_flags: set[str] | None = None) -> torch.dtype | None:
+    """The dtype the step autocasts to (None: float32 throughout), with one warning line on a fallback."""
+    dtype, fallback = resolve_precision(precision, device, cpu_flags)
+    if fallback:
+        log.warning("train.precision=%s falls back to fp32: %s", precision, fallback)
+    return dtype
+
+
+def precision_ran(dtype: torch.dtype | None) -> str:
+    """The train.precision value that names what the step runs: `bf16-mixed` or `fp32`."""
+    return "fp32" if dtype is None else "bf16-mixed"
+
+
+def precision_record(precision: str, device: torch.device, cpu_flags: set[str] | None = None) -> dict:
+    """What run.json records as `precision`: the one requested, the one that ran, and why they differ (or None)."""
+    dtype, fallback = resolve_precision(precision, device, cpu_flags)
+    return {"requested": precision, "ran": precision_ran(dtype), "fallback": fallback}
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):

@@ -192,6 +192,7 @@ class DrafterTrainer:
         self.window = draft_window(drafter.config)  # model.sliding_window, as the drafter's config records it
         self.step = 0  # optimizer steps taken (skipped steps included)
         self.tokens = 0
+        self.supervised_tokens = 0  # tokens the loss mask supervises (train/supervised_tokens), global batches
         self.skipped_steps = 0
         self.bad_in_row = 0
         self.next_data = (0, 0)  # (pass, index) of the next batch to train on
@@ -219,7 +220,7 @@ class DrafterTrainer:
         without a step has no train/* at all: a record repeats no step's values (a mean over records counts
         each step once)."""
         with self._lock:
-            out = {"step": self.step, "tokens": self.tokens}
+            out = {"step": self.step, "tokens": self.tokens, "train/supervised_tokens": self.supervised_tokens}
             if not self._window_steps:
                 return out
             if self._n:
@@ -282,9 +283,9 @@ class DrafterTrainer:
             generator = step_generator(cfg.train.seed, step, 1, target_hidden.device)
             target_hidden = add_feature_noise(target_hidden, noise_std, generator=generator)
         bsz, n = anchors.shape
-        # every loss gets the target's last hidden states (the KL losses' soft labels) and its argmax, which
-        # train/sim_tau compares the draft's with (greedy verification): a store's, or computed once per position
-        # (in float32, outside autocast: the target's own argmax under any train.precision)
+        # every loss gets the target's last hidden states (the KL losses' soft labels) and its argmax for sim_tau: a
+        # store's, or computed here in float32 outside autocast; a KL loss under labels=data and DSpark (None here)
+        # take it from their teacher logits, through the loss's head: the bfloat16 copy under bf16-mixed
         teacher_hidden = gather_positions(item.last_hidden, blocks.teacher_positions).reshape(bsz * n, B - 1, -1)
         stored = item.target_next
         target_next = target_argmax(self.drafter, blocks, item.last_hidden, stored, self.lm_head_weight, cfg.loss)
@@ -341,15 +342,13 @@ class DrafterTrainer:
             step_tokens = item.global_tokens if item.global_tokens is not None else item.num_tokens
             self.tokens += step_tokens
             whole = item.loss_mask if item.global_loss_mask is None else item.global_loss_mask
+            self.supervised_tokens += int(whole.sum())
             self._tokens_and_slots[0] += step_tokens
             self._tokens_and_slots[1] += whole.numel()
             self.next_data = (item.data_pass, item.index + 1)
             if finite:
-                self._sums["train/loss"] += stats["loss"]
-                self._sums["train/loss_ce"] += stats["loss_ce"]
-                self._sums["train/loss_kl"] += stats["loss_kl"]
-                self._sums["train/grad_norm"] += grad_norm
-                for key, value in stats["extra"].items():  # a drafter family's own terms (DSpark: TV, confidence)
+                own = {f"train/{k}": stats[k] for k in ("loss", "loss_ce", "loss_kl")}  # + a family's (DSpark: TV)
+                for key, value in {**own, "train/grad_norm": grad_norm, **stats["extra"]}.items():
                     self._sums[key] = self._sums.get(key, 0.0) + value
                 self._acc.add_counts(stats["counts"])
                 self._n += 1
@@ -423,6 +422,7 @@ class DrafterTrainer:
         return {
             "step": self.step,
             "tokens": self.tokens,
+            "supervised_tokens": self.supervised_tokens,
             "skipped_steps": self.skipped_steps,
             "bad_in_row": self.bad_in_row,
             "next_data": list(self.next_data),
@@ -433,7 +433,7 @@ class DrafterTrainer:
 
     def load_counters(self, state: dict) -> None:
         self.step = int(state["step"])
-        self.tokens = int(state["tokens"])
+        self.tokens, self.supervised_tokens = int(state["tokens"]), int(state.get("supervised_tokens", 0))
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.bad_in_row = int(state.get("bad_in_row", 0))
         self.next_data = tuple(state["next_data"])
