@@ -128,6 +128,23 @@ def test_a_swept_key_some_jobs_do_not_read_warns_naming_them(caplog):
     assert "the jobs with loss.kl_weight=0 do not read it" in warning
 
 
+def test_target_labels_under_a_kl_loss_without_its_ce_term_say_they_do_nothing():
+    """Issue 57: loss=kl at kl_weight=1 has no CE term, the only reader of loss.labels there: a run warns and a sweep
+    over it is refused; kl_streak and dpace (position weights), kl_weight < 1 and DFlash2 (its selector) read it."""
+    overrides = ["loss=kl", "loss.kl_weight=1.0", "loss.labels=target"]
+    [line] = unused_overrides(compose_config(overrides), overrides)
+    assert line.startswith("loss.labels=target has no effect: loss=kl with loss.kl_weight=1 has no CE term")
+    for reads in (["loss=kl", "loss.kl_weight=0.5"], ["loss=kl_streak", "loss.kl_weight=1.0"], ["loss=dpace"],
+                  ["loss=kl", "loss.kl_weight=1.0", "drafter=dflash2"]):  # fmt: skip
+        overrides = [*reads, "loss.labels=target"]
+        assert unused_overrides(compose_config(overrides), overrides) == [], reads
+    refusals, _ = _problems(["loss=kl", "loss.kl_weight=1.0", "loss.labels=data,target"])
+    assert refusals and refusals[0].startswith("loss.labels is swept (data,target) but no job reads it: loss=kl")
+    refusals, [warning] = _problems(["loss=kl", "loss.kl_weight=0.5,1.0", "loss.labels=data,target"])
+    assert refusals == [] and "the jobs with loss.kl_weight=1.0 do not read it" in warning
+    assert _problems(["loss=kl", "loss.kl_weight=interval(0.0,1.0)", "loss.labels=data,target"]) == ([], [])
+
+
 def test_a_swept_group_choice_with_no_reader_is_refused():
     refusals, _ = _problems(["schedule=cosine,constant", "schedule.decay_ratio=0.1,0.3"])
     assert refusals == [

@@ -24,7 +24,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.core.cli_flags import NAME_FLAGS
-from dflash.core.read_keys import OPTION_KEYS, READ_ONLY_BY, UNREAD_WHILE
+from dflash.core.read_keys import OPTION_KEYS, READ_ONLY_BY, UNREAD_WHERE, UNREAD_WHILE
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,9 @@ _TURN_ON = {"logging": ": logging=wandb turns W&B on"}
 
 def why_unread(cfg, key: str, switch: bool = True) -> str | None:
     """Why `cfg`'s job does not read `key` (None: it does): its option, or (`switch`) the key that turns it off."""
+    if key in UNREAD_WHERE:  # unread only where several keys are at their values together
+        where, why = UNREAD_WHERE[key]
+        return why if switch and all(OmegaConf.select(cfg, k) == v for k, v in where.items()) else None
     label, option, readers = _label(_group(key)), _option(cfg, key), READ_ONLY_BY[key]
     if option not in readers:
         also = f" with {_turned_on(*UNREAD_WHILE[key])}" if key in UNREAD_WHILE else ""
@@ -92,7 +95,7 @@ def unused_overrides(cfg, overrides) -> list[str]:
     found = []
     for override in overrides:
         key_value = _key_and_value(override)
-        if key_value and key_value[0] in READ_ONLY_BY and (why := why_unread(cfg, key_value[0])):
+        if key_value and _watched(key_value[0]) and (why := why_unread(cfg, key_value[0])):
             found.append(f"{key_value[0]}={key_value[1]}{_flag(key_value[0])} has no effect: {why}")
     return found
 
@@ -122,8 +125,21 @@ def _sweep_overrides(config: DictConfig) -> dict[str, Any]:
     return found
 
 
+def _watched(key: str) -> bool:
+    return key in READ_ONLY_BY or key in UNREAD_WHERE
+
+
+def _switches(key: str) -> set[str]:
+    """The keys that turn `key` off (UNREAD_WHILE's, UNREAD_WHERE's), beside its group's option."""
+    return {UNREAD_WHILE[key][0]} if key in UNREAD_WHILE else set(UNREAD_WHERE.get(key, ({},))[0])
+
+
 def _chooses_options(key: str) -> bool:
-    return key in _CHOOSERS or key in OPTION_KEYS.values() or key in {k for k, _ in UNREAD_WHILE.values()}
+    return (
+        key in _CHOOSERS
+        or key in OPTION_KEYS.values()
+        or any(key in _switches(k) for k in (*UNREAD_WHILE, *UNREAD_WHERE))
+    )
 
 
 def _combinations(config: DictConfig, overrides: dict) -> list[tuple[dict, DictConfig]] | None:
@@ -159,7 +175,7 @@ def sweep_problems(config: DictConfig) -> tuple[list[str], list[str]]:
     """(refusals, warnings) for the multirun `config` is of: a swept key no job reads, one some jobs do not."""
     overrides = _sweep_overrides(config)
     # swept keys, and a sink's keys set for every job (--wandb-project P under logging=jsonl names no W&B run)
-    watched = [k for k, o in overrides.items() if k in READ_ONLY_BY and (o.is_sweep_override() or _sink(k))]
+    watched = [k for k, o in overrides.items() if _watched(k) and (o.is_sweep_override() or _sink(k))]
     if not watched:
         return [], []
     combos = _combinations(config, overrides)
@@ -169,7 +185,7 @@ def sweep_problems(config: DictConfig) -> tuple[list[str], list[str]]:
     refusals, warnings = [], []
     for key in watched:
         # a switch swept over an interval (loss.kl_weight=interval(0,1)) turns the key on in some jobs
-        switch = UNREAD_WHILE.get(key, ("",))[0] not in continuous
+        switch = not _switches(key) & continuous
         whys = [why_unread(c, key, switch) for _, c in combos]
         shown = overrides[key].input_line.split("=", 1)[1]
         if not overrides[key].is_sweep_override():

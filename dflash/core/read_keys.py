@@ -31,6 +31,15 @@ READ_ONLY_BY = {
 # ... and read only while another key is not at a value: kl_weight 0 drops the KL term, markov_rank 0 the Markov head
 UNREAD_WHILE = {"loss.kl_temperature": ("loss.kl_weight", 0.0), "drafter.markov_head_type": ("drafter.markov_rank", 0)}
 UNREAD_WHILE["drafter.confidence_head_with_markov"] = ("drafter.confidence_head", False)  # no head, no Markov input
+# ... and unread where every key of a set is at its value (model/losses.py's _kl_coefficients and
+# families.family_loss): loss=kl's CE term is the only reader of loss.labels (kl_streak's and dpace's position weights
+# and DFlash2's selector read the labels too), and kl_weight=1 drops it: labels=target would train as labels=data
+UNREAD_WHERE = {
+    "loss.labels": (
+        {"loss.name": "kl", "loss.kl_weight": 1.0, "drafter.name": "dflash"},
+        "loss=kl with loss.kl_weight=1 has no CE term, the only reader of the labels (set loss.kl_weight < 1)",
+    )
+}
 # the drafter families (dflash/model/families/): a family's own keys are read by that family only
 OPTION_KEYS["drafter"] = "drafter.name"
 READ_ONLY_BY.update(
