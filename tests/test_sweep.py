@@ -79,11 +79,9 @@ def test_seeds_group_with_mean_and_std(tmp_path, cache_dir, tiny_target, capsys)
     assert len(rows) == 1
     row = rows[0]
     assert row["n"] == 3
-    losses = [
-        json.loads(line)["train/loss"]
-        for j in range(3)
-        for line in (sweep / str(j) / "metrics.jsonl").read_text().splitlines()[-1:]
-    ]
+    # what compare's train/loss is defined to be: summary.json's, the mean over the last summary_window_steps
+    # steps (not the last metrics.jsonl record, whose window depends on when the monitor last wrote)
+    losses = [json.loads((sweep / str(j) / "summary.json").read_text())["train/loss"] for j in range(3)]
     mean = sum(losses) / 3
     std = (sum((x - mean) ** 2 for x in losses) / 2) ** 0.5  # sample std
     assert len(set(losses)) == 3  # the seeds really differ
