@@ -222,6 +222,8 @@ def cmd_assemble(args) -> int:
     kept as WORK/stage.json for node_run."""
     t0 = time.time()
     manifest = read_manifest(args.step)
+    if "target" not in manifest:
+        raise StageError(f"step {args.step} is not the last step: run scripts/gpu_real_check.sh {args.step}")
     target = manifest["target"]
     dest = WORK / "target" / target["file"]
     join_parts(manifest["parts"], dest, target["sha256"])
