@@ -36,6 +36,9 @@ families: each drafter family's cost per draft cycle at one block size (paramete
 peer: our recipe against a peer's at equal budget: vLLM speculators' DFlash trained by its own model, loss and CLI
       defaults on the same feature-store rows, steps and seeds as our runs (RUN_DIR ...), both evaluated by replay
       per suite, the paired differences; see dflash/benchmarks/peer.py.
+rollback: one verify cycle (verify a block, roll the target's cache back to the accepted prefix) on each target
+      architecture (hybrids: linear attention, sliding layers, MoE) against a full-attention Qwen3 of the same
+      widths; see dflash/benchmarks/rollback.py.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ BENCHES = {
     "sweep": "dflash.benchmarks.sweep",
     "families": "dflash.benchmarks.families",
     "peer": "dflash.benchmarks.peer",
+    "rollback": "dflash.benchmarks.rollback",
 }
 
 

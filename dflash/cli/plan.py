@@ -17,6 +17,7 @@ import sys
 from dflash.cli.features import compose
 from dflash.core.validation import validate
 from dflash.model.plan import (
+    DTYPE_BYTES,
     GIB,
     RUNTIME_FIT,
     flops_per_token,
@@ -53,6 +54,14 @@ def anchors_text(cfg) -> str:
     )
 
 
+def target_parts(t, dtype: str) -> list[str]:
+    """The whole target's weights by part, under the table (a hybrid's linear-attention layers, experts)."""
+    counts = {kind: t.kinds.count(kind) for kind in dict.fromkeys(t.kinds)}
+    layers = ", ".join(f"{n} {kind.replace('_', '-')}" for kind, n in counts.items())
+    rows = [f"{name} {n / 1e9:.2f}B ({n * DTYPE_BYTES[dtype] / GIB:.2f} GiB)" for name, n in t.parts().items()]
+    return ["", f"the whole target's weights by part ({t.layers} layers: {layers}): " + "; ".join(rows)]
+
+
 def render(cfg, nproc: int, memories: list[float], tflops: float, device: str) -> str:
     t, note = planned_shape(cfg.model)
     kinds = roles(cfg, nproc)
@@ -69,6 +78,7 @@ def render(cfg, nproc: int, memories: list[float], tflops: float, device: str) -
         "|---|" + "---|" * len(kinds),
         *(f"| {k} | " + " | ".join(f"{by_role[r][k] / GIB:.2f}" for r in kinds) + " |" for k in by_role[kinds[0]]),
         "| **predicted peak** | " + " | ".join(f"**{sum(by_role[r].values()) / GIB:.2f}**" for r in kinds) + " |",
+        *target_parts(t, cfg.model.dtype),
         "",
         f"runtime: {RUNTIME_FIT}; a constant, not a prediction.",
         "",

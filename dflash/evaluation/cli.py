@@ -179,13 +179,13 @@ def _print_table(metrics: dict[str, Any], title: str) -> None:
 
 
 def _run_cli(args: argparse.Namespace) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from dflash.core.distributed import resolve_device
     from dflash.model.export import check_drafter_against
     from dflash.model.families import check_block_size
     from dflash.model.families.speculators_layout import is_speculators_dir, load_speculators
-    from dflash.model.target import DTYPES, check_target_exists
+    from dflash.model.target import DTYPES, check_target_exists, load_causal_lm
 
     inputs = _resolve_inputs(args.path, args.target)
     check_target_exists(inputs.target)
@@ -201,7 +201,7 @@ def _run_cli(args: argparse.Namespace) -> dict[str, Any]:
         check_block_size(drafter, args.block_size)
     drafter = drafter.to(device).eval()
     dtype = module_dtype(drafter)
-    target = AutoModelForCausalLM.from_pretrained(inputs.target, dtype=dtype).to(device).eval()
+    target = load_causal_lm(inputs.target, dtype).to(device).eval()
     try:
         check_drafter_against(drafter.config, target_config=target.config)
     except ValueError as e:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from dflash.core import interrupts
+from dflash.evaluation.target_cache import crop_cache, new_target_cache, start_recording
 from dflash.model.drafter import DFlashDraftModel, DraftKVCache
 
 EosIds = int | Sequence[int] | None
@@ -91,28 +92,6 @@ def _cache_kwarg(model: nn.Module) -> str:
     """transformers >= 5.2x names the KV cache argument `cache`; older versions `past_key_values`."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
-
-
-def _new_cache(model: nn.Module):
-    from transformers import DynamicCache
-
-    return DynamicCache(config=getattr(model, "config", None))
-
-
-def crop_cache(cache, length: int) -> None:
-    """Keep the first `length` positions of a KV cache.
-
-    Works for `DraftKVCache` and for transformers' DynamicCache in both of its conventions: `crop(max_length)`
-    (absolute, transformers < 5.2x) and `crop(tokens_to_remove)` (negative count, newer versions).
-    """
-    current = cache.get_seq_length()
-    if current <= length:
-        return
-    first = next(iter(inspect.signature(cache.crop).parameters))
-    if first == "tokens_to_remove":
-        cache.crop(length - current)
-    else:
-        cache.crop(length)
 
 
 def _eos_set(eos_id: EosIds) -> frozenset[int]:
@@ -296,7 +275,7 @@ def verify_generate(
         raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
     model = hf_model(target_model)
     device = module_device(model)
-    cache = _new_cache(model)
+    cache = new_target_cache(model)
     cache_kw = _cache_kwarg(model)
     want_features = proposer.needs_features and block_size > 1
     eos = _eos_set(eos_id)
@@ -318,6 +297,7 @@ def verify_generate(
     _sync(device)
     t0 = time.perf_counter()
     logits, features = forward(list(prompt_ids), **last_only)
+    recording = start_recording(cache, block_size)  # sliding or linear-attention layers: rolled back by recording
     new = _sample(logits[-1:], temperature, generator)
     _sync(device)
     t1 = time.perf_counter()
@@ -334,7 +314,8 @@ def verify_generate(
         posterior = _sample(logits, temperature, generator)
         a = _num_accepted(drafts, posterior)
         emit = drafts[:a] + [posterior[a]]  # accepted drafts + the target's token at the first mismatch
-        crop_cache(cache, start + a + 1)  # keep anchor + accepted drafts; the bonus token is the next anchor
+        # keep anchor + accepted drafts; the bonus token is the next anchor
+        crop_cache(cache, start + a + 1, recording, current=start + block_size)
         if features is not None:
             features = features[:, : a + 1]
         accept_lengths.append(a + 1)

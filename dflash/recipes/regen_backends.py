@@ -76,16 +76,17 @@ class HFBackend:
 
     def __init__(self, target: str, settings: GenerationSettings, device: str = "auto", dtype: str = "auto"):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         from dflash.core.distributed import resolve_device
         from dflash.data.chat import end_of_turn_marker
+        from dflash.model.target import load_causal_lm
 
         self.settings = settings
         self.tokenizer = AutoTokenizer.from_pretrained(target)
         dev = resolve_device(device)
         dtype = getattr(torch, generation_dtype(dtype, dev.type))
-        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(dev).eval()
+        self.model = load_causal_lm(target, dtype).to(dev).eval()
         eot = end_of_turn_marker(self.tokenizer, **settings.chat_template_kwargs())
         eot_id = self.tokenizer.convert_tokens_to_ids(eot) if eot else None
         self.stop_ids = [i for i in (eot_id, self.tokenizer.eos_token_id) if isinstance(i, int) and i >= 0]

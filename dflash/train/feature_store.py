@@ -312,7 +312,7 @@ def manifest_for(cfg, layer_ids: list[int], data_fingerprint: dict | None) -> di
     from dflash.core.config import data_seed
     from dflash.data.chat_dataset import RENDER_VERSION
     from dflash.data.fingerprint import TOKENIZER_FILES, hashed_files, hub_entry, target_hashes
-    from dflash.model.target import TARGET_ATTENTION
+    from dflash.model.target import target_attention
 
     target = Path(cfg.model.target).expanduser()
     tokenizer = hashed_files(target, TOKENIZER_FILES) or hub_entry(str(target))
@@ -322,7 +322,7 @@ def manifest_for(cfg, layer_ids: list[int], data_fingerprint: dict | None) -> di
         "target_files": target_hashes(str(target)),  # every shard the index names; a hub name's revision
         "model.target_layer_ids": list(layer_ids),
         "model.dtype": cfg.model.dtype,  # the target's: its features in bfloat16 are not its features in float32
-        "target.attn_implementation": TARGET_ATTENTION,
+        "target.attn_implementation": target_attention(str(cfg.model.target)),
         "features.dtype": cfg.features.dtype,
         "train.seq_len": cfg.train.seq_len,
         "train.batch_size": cfg.train.batch_size,
