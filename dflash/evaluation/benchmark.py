@@ -69,6 +69,7 @@ def run_suite(
     temperature: float,
     thinking: bool | None,
     max_new_tokens: int,
+    template_kwargs: dict | None = None,
     block_size: int,
     ngram: int = 3,
     seed: int = 0,
@@ -84,7 +85,7 @@ def run_suite(
         prompts = []
         for i in active:
             histories[i].append({"role": "user", "content": conversations[i][turn]})
-            prompts.append(tokenizer.encode(chat_prompt(tokenizer, histories[i], thinking)))
+            prompts.append(tokenizer.encode(chat_prompt(tokenizer, histories[i], thinking, template_kwargs)))
         if trace_cache is not None:
             result = replay_evaluate(
                 target, drafter, prompts, trace_cache, max_new_tokens=max_new_tokens, block_size=block_size,
@@ -181,6 +182,7 @@ def run_benchmarks(
     suites: Sequence[str],
     temperatures: Sequence[float] = (0.0,),
     thinking: bool | None = False,
+    template_kwargs: dict | None = None,
     max_samples: int | None = None,
     max_new_tokens: int = 256,
     block_size: int | None = None,
@@ -214,6 +216,7 @@ def run_benchmarks(
         lookup=lookup,
         eos_id=tokenizer.eos_token_id,
         cycles=CYCLE_RULE,  # results counted by another rule are not reused
+        **({"chat_template_kwargs": dict(template_kwargs)} if template_kwargs else {}),
         replay=trace_cache is not None,  # a replayed result is not a decoded one
     )
     data = read_json(path) or {}
@@ -256,6 +259,7 @@ def run_benchmarks(
                 convs,
                 temperature=temperature,
                 thinking=thinking,
+                template_kwargs=template_kwargs,
                 max_new_tokens=max_new_tokens,
                 block_size=block_size,
                 ngram=ngram,

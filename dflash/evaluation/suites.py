@@ -1,7 +1,7 @@
 """Benchmark suites: the prompts drafters are compared on, as z-lab's `dflash/benchmark.py` defines them.
 
 Source (read, not copied): github.com/z-lab/dflash, `dflash/benchmark.py` (its `DATASETS` table,
-`_limit_dataset` and `_apply_chat_template`); summary in /work/shared/reference/benchmarks-and-stores.md.
+`_limit_dataset` and `_apply_chat_template`).
 
     suite      dataset (config), split                                  prompt of a row
     gsm8k      openai/gsm8k (main), test                                "{question}" + STEP_BY_STEP
@@ -244,8 +244,10 @@ def suite_prompts(
     return sample_rows([suite.format(r) for r in rows], max_samples, seed), source
 
 
-def chat_prompt(tokenizer, messages: list[dict], thinking: bool | None) -> str:
+def chat_prompt(tokenizer, messages: list[dict], thinking: bool | None, template_kwargs: dict | None = None) -> str:
     """The target's chat template with the generation prompt, as z-lab renders a turn; `thinking` is Qwen3's
-    `enable_thinking` (None: the template's default)."""
+    `enable_thinking` (None: the template's default); `template_kwargs` (the run's data.chat_template_kwargs) are
+    the template's arguments over it, so a suite renders as the drafter's training data did."""
     kwargs = {} if thinking is None else {"enable_thinking": thinking}
+    kwargs.update(template_kwargs or {})
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)

@@ -33,6 +33,8 @@ from dflash.data.corpus import (
     stdlib_files,
 )
 from dflash.model.gguf_target import ensure_gguf_target
+from dflash.model.qwen3_6_tokenizer import build_qwen3_6_tokenizer
+from dflash.model.tiny_architectures import tiny_model
 from dflash.model.tiny_chat import ChatCorpus
 
 log = logging.getLogger(__name__)
@@ -67,26 +69,6 @@ def build_tokenizer(vocab_size: int, texts: list[str]):
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
-
-
-def _qwen3_config(b, vocab_size: int, tok):
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        vocab_size=b.model_vocab_size or vocab_size,
-        hidden_size=b.hidden_size,
-        intermediate_size=b.intermediate_size,
-        num_hidden_layers=b.num_layers,
-        num_attention_heads=b.num_attention_heads,
-        num_key_value_heads=b.num_key_value_heads,
-        head_dim=b.head_dim,
-        max_position_embeddings=b.max_position_embeddings,
-        tie_word_embeddings=b.tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        bos_token_id=tok.eos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
 
 
 def _windows(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -136,8 +118,6 @@ def pretrain(model, train_ids: torch.Tensor, b) -> list[dict]:
 
 def build(target_dir: Path, b) -> dict:
     """Build tokenizer + model into target_dir (must not exist). Returns build info."""
-    from transformers import Qwen3ForCausalLM
-
     t0 = time.time()
     torch.manual_seed(b.seed)
     # a random target needs only a tokenizer, not the corpus
@@ -145,9 +125,11 @@ def build(target_dir: Path, b) -> dict:
     train_files = stdlib_files("train", max_files=max_files)
     log.info("building %s target in %s from %d stdlib files", b.kind, target_dir, len(train_files))
     chat = ChatCorpus.load(b, CHAT_TEMPLATE) if b.kind == "tiny_chat" else None  # + ShareGPT (tiny_chat.py)
-    tok = build_tokenizer(b.vocab_size, [read_text(p) for p in train_files] + (chat.texts if chat else []))
-    config = _qwen3_config(b, len(tok), tok)
-    model = Qwen3ForCausalLM(config)
+    if getattr(b, "tokenizer", "embedded") == "qwen3_6":  # Qwen3.5/3.6's real tokenizer (model=qwen3_6_tiny)
+        tok = build_qwen3_6_tokenizer()
+    else:
+        tok = build_tokenizer(b.vocab_size, [read_text(p) for p in train_files] + (chat.texts if chat else []))
+    model = tiny_model(b, b.model_vocab_size or len(tok), tok)  # model.build.architecture: qwen3 unless set
     info: dict = {
         "kind": b.kind,
         "build": asdict(b) if hasattr(b, "__dataclass_fields__") else dict(b),

@@ -121,6 +121,8 @@ def _benchmarks(
             run.path,
             suites=list(cfg.eval.suites),
             temperatures=[cfg.eval.temperature],
+            # the suites render as the training data did (data.chat_template_kwargs, e.g. enable_thinking)
+            template_kwargs=dict(cfg.data.get("chat_template_kwargs") or {}),
             max_samples=cfg.eval.suite_max_samples,
             max_new_tokens=cfg.eval.max_new_tokens,
             ngram=cfg.eval.prompt_lookup_ngram,
