@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -53,10 +57,85 @@ def tiny_tokenizer(tiny_target):
     return AutoTokenizer.from_pretrained(tiny_target)
 
 
+def _stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command name (state, ppid, pgrp, ...), or None when it is gone."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting to be reaped."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes below `pid`, however deep: torchrun's ranks run in sessions of their own, out of reach of
+    their launcher's process group."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := _stat(int(entry.name))) and fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        found += (kids := children.get(todo.pop(), []))
+        todo += kids
+    return found
+
+
+def _group_alive(proc: subprocess.Popen) -> bool:
+    proc.poll()  # reap the leader once it ended, or its group never empties
+    try:
+        os.killpg(proc.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def end_process_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """End `proc`'s process group (its session: start_new_session) and every process below it: SIGTERM to the
+    group (torchrun passes it on to its ranks and waits for them), then SIGKILL after `grace_s` to the group and to
+    any descendant left (a rank in a session of its own). Reaps `proc`; a no-op when all have ended."""
+    below = descendants(proc.pid)
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        if not _group_alive(proc) and not any(alive(p) for p in below):
+            break
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        for pid in below if sig == signal.SIGKILL else ():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait_s
+        while (_group_alive(proc) or any(alive(p) for p in below)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+
+
+def run_process_group(cmd: list[str], env: dict, timeout: float, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout), in a session of its own: on a timeout,
+    or any other way out of this call (pytest-timeout's alarm, Ctrl-C), and after it ends, its whole process group
+    is ended, torchrun's ranks too, which would otherwise outlive their launcher (parent PID 1) and slow every
+    test after them (issue 57). Output goes through files: a process the command left behind holding a pipe would
+    keep a reader of that pipe waiting."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            end_process_group(proc)  # on the way out, and whatever the command left behind in its group
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
+
+
 def launch(
     args: list[str], cache_dir: Path, timeout: float = 300, env: dict | None = None, check: bool = False
 ) -> subprocess.CompletedProcess:
-    """Run `python launch.py ARGS` from the repo root with the session's target cache."""
+    """Run `python launch.py ARGS` from the repo root with the session's target cache (its process group ended
+    on a timeout: run_process_group)."""
     full_env = {
         **os.environ,
         "DFLASH_CACHE_DIR": str(cache_dir),
@@ -65,9 +144,7 @@ def launch(
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
     }
-    proc = subprocess.run(
-        [sys.executable, "launch.py", *args], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout
-    )
+    proc = run_process_group([sys.executable, "launch.py", *args], full_env, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"launch.py {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, launch
+from conftest import REPO, launch, run_process_group
 from safetensors.torch import load_file
 
 from dflash.core.config import register_configs
@@ -47,7 +47,7 @@ def torchrun(
         "launch.py",
         *args,
     ]
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = run_process_group(cmd, full_env, timeout)  # the ranks ended with their launcher on a timeout
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     return proc

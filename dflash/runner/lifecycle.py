@@ -64,6 +64,7 @@ def main(cfg: DictConfig, info: JobInfo | None = None) -> float | None:
             status and status.finish("interrupted", error=f"second {name}: exited at once, without a final checkpoint")
         ),
     )
+    interrupts.exit_with_launcher()  # torchrun: a rank whose launcher died stops, then exits
     world = None
     try:
         if is_main:
