@@ -24,6 +24,9 @@
 #      time and peak memory of full attention against windows of 2048 and 512 (on a CPU the window costs memory)
 #   8. model.dtype=bfloat16 training on CUDA: the smoke job, and Qwen3-8B's widths (model=qwen3_8b_random: hidden
 #      4096, the 151,936-row vocabulary, random weights, one layer each) at 2,048 tokens
+#   9. issue 55: hybrid targets on CUDA: the smoke job on the tiny Qwen3.6-shaped vision-language checkpoint,
+#      Qwen3-Next and GPT-OSS (the log says which linear-attention path runs: the kernels where `.[hybrid]` is
+#      installed, else the reference path), and the verify cycle's rollback per architecture (bench rollback)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -31,7 +34,7 @@ OUT=${OUT:-gpu_checks_out}
 mkdir -p "$OUT"
 export WANDB_MODE=disabled DFLASH_CACHE_DIR="$OUT/cache" PYTHONUNBUFFERED=1
 SUMMARY="$OUT/summary.txt"
-CHECKS=${CHECKS:-0 1 2 3 4 5 6 7 8}  # e.g. CHECKS="6" runs the 1B bench alone (when the GPU's time is short)
+CHECKS=${CHECKS:-0 1 2 3 4 5 6 7 8 9}  # e.g. CHECKS="6" runs the 1B bench alone (when the GPU's time is short)
 wants() { [[ " $CHECKS " == *" $1 "* ]]; }
 : > "$SUMMARY"
 
@@ -146,6 +149,18 @@ if wants 8; then
     train.max_steps=30 train.seq_len=2048 train.num_anchors=256 data.max_files=200 checkpoint.every_steps=30 \
     "hydra.run.dir=$OUT/bf16_qwen3_8b"
   grep -h -o '"train/loss":[0-9.e+-]*' "$OUT/bf16_qwen3_8b/metrics.jsonl" 2>/dev/null | sed -n '1p;$p'
+fi
+
+if wants 9; then
+  echo "== 9. issue 55: hybrid targets on CUDA (linear attention, sliding layers, sinks) and their rollback"
+  for ARCH in qwen3_5_vl qwen3_next gpt_oss; do
+    run "hybrid_$ARCH" 240 "$PY" launch.py experiment=smoke model.device=cuda model.build.architecture=$ARCH \
+      "hydra.run.dir=$OUT/hybrid_$ARCH"
+    grep -h "linear-attention layers run\|attention, features" "$OUT/hybrid_$ARCH.log" | head -2
+  done
+  run bench_rollback 240 "$PY" -m dflash.bench rollback device=cuda hidden=1024 heads=8 kv_heads=4 head_dim=128 \
+    intermediate=2816 ctx=2048 block=16 repeats=20
+  tail -9 "$OUT/bench_rollback.log"
 fi
 
 echo "== summary"

@@ -88,3 +88,25 @@ def test_qwen3_6_tiny_trains_losslessly_as_a_user_runs_it(cache_dir, tmp_path):
     assert exported["vocab_size"] == 248320 and exported["dflash_config"]["mask_token_id"] == 248070
     assert exported["dflash_target_architecture"]["vision_language"] is True
     assert "enable_thinking: false" in (run / "config_resolved.yaml").read_text()
+    assert exported["dflash_chat_template_kwargs"] == {"enable_thinking": False}
+
+
+def test_a_drafter_met_in_another_rendering_warns_in_one_line(tmp_path, caplog):
+    """Its export records the rendering it was trained on; fine-tuning or benchmarking it in the other warns."""
+    import logging
+
+    from dflash.model.rendering import trained_rendering, warn_if_rendered_otherwise
+
+    run = tmp_path / "run"
+    (run / "drafter").mkdir(parents=True)
+    (run / "config_resolved.yaml").write_text("data:\n  chat_template_kwargs:\n    enable_thinking: false\n")
+    assert trained_rendering(run / "drafter") == {"enable_thinking": False}
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "config.json").write_text(json.dumps({"dflash_chat_template_kwargs": {"enable_thinking": False}}))
+    assert trained_rendering(export) == {"enable_thinking": False}
+    with caplog.at_level(logging.WARNING):
+        assert not warn_if_rendered_otherwise("x", {"enable_thinking": False}, {"enable_thinking": False}, "here")
+        assert warn_if_rendered_otherwise(str(export), trained_rendering(export), {}, "this run (model.init_from)")
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(lines) == 1 and "loses acceptance" in lines[0] and "{'enable_thinking': False}" in lines[0]

@@ -10,7 +10,8 @@ cycle (a load that drifts on a shared machine hits them all); the median of `rep
 ratio to qwen3's.
 
 Options: archs=qwen3,qwen3_5,qwen3_5_moe,qwen3_next,gemma4_text,gpt_oss,llama hidden=256 layers=4 heads=4
-kv_heads=2 head_dim=64 intermediate=512 vocab=4096 ctx=256 block=16 repeats=30 threads=1
+kv_heads=2 head_dim=64 intermediate=512 vocab=4096 ctx=256 block=16 repeats=30 threads=1 device=cpu (cuda: in
+bfloat16, each cycle synchronised)
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ DEFAULTS = {
     "block": "16",
     "repeats": "30",
     "threads": "1",
+    "device": "cpu",
 }
 
 
@@ -56,7 +58,8 @@ def _model(arch: str, o: dict):
     torch.manual_seed(0)
     model = tiny_model(b, int(o["vocab"]), _Tok())
     model.config._attn_implementation = attention_implementation(causal_lm_class(model.config))
-    return model.eval()
+    device = torch.device(o["device"])
+    return model.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
 
 
 def _cycle(model, o: dict):
@@ -67,7 +70,8 @@ def _cycle(model, o: dict):
 
     ctx, block = int(o["ctx"]), int(o["block"])
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, int(o["vocab"]), (1, ctx + block), generator=g)
+    device = next(model.parameters()).device
+    ids = torch.randint(1, int(o["vocab"]), (1, ctx + block), generator=g).to(device)
     cache = new_target_cache(model)
     with torch.no_grad():
         model(input_ids=ids[:, :ctx], cache=cache, use_cache=True, logits_to_keep=1)
@@ -77,6 +81,8 @@ def _cycle(model, o: dict):
         with torch.no_grad():
             model(input_ids=ids[:, ctx : ctx + block], cache=cache, use_cache=True)
         crop_cache(cache, ctx, recording, current=ctx + block)  # back to where the cycle started
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     return run, recording
 
@@ -94,7 +100,7 @@ def bench(args: list[str]) -> None:
     print(
         f"rollback bench: one verify cycle (verify {o['block']} tokens, roll them back) after {o['ctx']} cached "
         f"positions; {o['layers']} layers of hidden {o['hidden']} ({o['heads']} heads x {o['head_dim']}, "
-        f"{o['kv_heads']} KV heads, MLP {o['intermediate']}), vocab {o['vocab']}, float32 on cpu, "
+        f"{o['kv_heads']} KV heads, MLP {o['intermediate']}), vocab {o['vocab']}, on {o['device']}, "
         f"{o['threads']} thread(s), {o['repeats']} cycles each, in turns"
     )
     cycles, kinds = {}, {}

@@ -104,23 +104,21 @@ def _load(args):
     return model, drafter, AutoTokenizer.from_pretrained(str(target)), str(target), run_cfg
 
 
-def rendering(args, run_cfg) -> dict:
-    """run_benchmarks' `thinking` and `template_kwargs`: the run's data.chat_template_kwargs (the rendering its
-    drafter trained on) under --thinking; a --thinking that renders otherwise than the training data warns."""
-    from omegaconf import OmegaConf
+def rendering(args) -> dict:
+    """run_benchmarks' `thinking` and `template_kwargs`: the chat rendering the drafter was trained on (its run's
+    data.chat_template_kwargs, or its export's record) under --thinking; a --thinking that renders otherwise
+    warns in one line."""
+    from dflash.model.rendering import trained_rendering, warn_if_rendered_otherwise
 
-    trained = dict(OmegaConf.select(run_cfg, "data.chat_template_kwargs") or {}) if run_cfg is not None else {}
+    trained = trained_rendering(args.path)
+    known = dict(trained or {})
     if args.thinking is None:
-        return {"thinking": trained.get("enable_thinking", False), "template_kwargs": trained}
+        return {"thinking": known.get("enable_thinking", False), "template_kwargs": known}
     thinking = None if args.thinking == "auto" else args.thinking == "on"
-    if "enable_thinking" in trained and thinking != trained["enable_thinking"]:
-        log.warning(
-            "--thinking %s renders the suites otherwise than the drafter's training data (data.chat_template_kwargs="
-            "%s): acceptance drops when a drafter meets the other rendering",
-            args.thinking,
-            trained,
-        )
-    return {"thinking": thinking, "template_kwargs": {k: v for k, v in trained.items() if k != "enable_thinking"}}
+    here = {**known, "enable_thinking": thinking} if thinking is not None else known
+    if trained is not None and "enable_thinking" in known:
+        warn_if_rendered_otherwise(args.path, trained, here, f"--thinking {args.thinking}")
+    return {"thinking": thinking, "template_kwargs": {k: v for k, v in known.items() if k != "enable_thinking"}}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -145,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             out,
             suites=[s.strip() for s in args.suites.split(",") if s.strip()],
             temperatures=[float(t) for t in args.temperature.split(",")],
-            **rendering(args, run_cfg),
+            **rendering(args),
             max_samples=args.max_samples,
             max_new_tokens=args.max_new_tokens,
             block_size=args.block_size,

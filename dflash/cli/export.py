@@ -12,6 +12,7 @@ from dflash.core.config import DTYPE_NAMES
 from dflash.core.rundir import CONFIG_FILE
 from dflash.model.export import export_drafter
 from dflash.model.model_card import write_model_card
+from dflash.model.rendering import trained_rendering
 from dflash.model.target import DTYPES
 from dflash.train.checkpointer import load_drafter_from_source
 
@@ -33,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     dtype = DTYPES[args.dtype] if args.dtype else None
-    out = export_drafter(drafter, Path(args.out), dtype=dtype, target=target)
+    rendering = trained_rendering(args.source)  # the chat rendering it was trained on, recorded with it
+    out = export_drafter(drafter, Path(args.out), dtype=dtype, target=target, rendering=rendering)
     run_dir = _run_dir_of(Path(args.source))
     if run_dir is not None:  # the run's evidence goes with its drafter
         print(f"model card: {write_model_card(run_dir, out)}")

@@ -29,7 +29,11 @@ DRAFTER_SOURCE = Path(__file__).with_name("drafter.py")
 
 
 def export_drafter(
-    drafter: DFlashDraftModel, out_dir: Path, dtype: torch.dtype | None = None, target: str | None = None
+    drafter: DFlashDraftModel,
+    out_dir: Path,
+    dtype: torch.dtype | None = None,
+    target: str | None = None,
+    rendering: dict | None = None,
 ) -> Path:
     """Write the drafter to out_dir (replaced atomically): z-lab's layout, or speculators' for a family it defines
     beside DFlash (DSpark: model/families/speculators_layout.py)."""
@@ -43,7 +47,7 @@ def export_drafter(
         model = copy.deepcopy(drafter).to(dtype)
     try:
         if family_name(drafter.config) == "dflash":
-            _write(model, drafter, tmp, target)
+            _write(model, drafter, tmp, target, rendering)
         else:
             tmp.mkdir(parents=True)
             write_speculators(drafter, tmp, verifier=target, dtype=dtype)
@@ -56,7 +60,7 @@ def export_drafter(
     return out_dir
 
 
-def _write(model, drafter: DFlashDraftModel, tmp: Path, target: str | None) -> None:
+def _write(model, drafter: DFlashDraftModel, tmp: Path, target: str | None, rendering: dict | None = None) -> None:
     """The export's files into `tmp`: weights, the self-contained dflash.py, a config z-lab, SGLang and vLLM read."""
     model.save_pretrained(tmp, safe_serialization=True)
     shutil.copyfile(DRAFTER_SOURCE, tmp / "dflash.py")
@@ -77,6 +81,8 @@ def _write(model, drafter: DFlashDraftModel, tmp: Path, target: str | None) -> N
         config["dflash_target"] = target  # ours: lets `python -m dflash.evaluate DRAFTER_DIR` find the target
         if (arch := target_architecture(target)) is not None:
             config["dflash_target_architecture"] = arch  # ours: which kind of target it drafts for (layer kinds)
+    if rendering is not None:  # ours: the chat rendering it was trained on (dflash/model/rendering.py)
+        config["dflash_chat_template_kwargs"] = dict(rendering)
     cfg_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

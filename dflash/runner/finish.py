@@ -56,7 +56,8 @@ def finish(
     if job.world.is_main:
         weights = sum(p.numel() * p.element_size() for p in final.parameters())
         check_free(run.drafter.parent, weights, "the export (drafter/)")  # the final checkpoint is on disk already
-        export_drafter(final, run.drafter, target=cfg.model.target)
+        rendering = dict(cfg.data.get("chat_template_kwargs") or {})  # recorded: a later use in another warns
+        export_drafter(final, run.drafter, target=cfg.model.target, rendering=rendering)
         if status == "completed":
             status, reason = _final_eval(job, final, summary)
         if status == "completed" and cfg.eval.get("suites"):

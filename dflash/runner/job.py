@@ -21,6 +21,7 @@ from dflash.data.training_data import TrainingData
 from dflash.evaluation.evaluator import Evaluator
 from dflash.model.build import build_drafter_config, init_drafter, resolve_mask_token_id
 from dflash.model.families import configure_family
+from dflash.model.rendering import trained_rendering, warn_if_rendered_otherwise
 from dflash.model.target import DTYPES, TargetHeads, TargetModel
 from dflash.runner.feature_build import build_store, check_long_enough
 from dflash.runner.resume import check_data_unchanged
@@ -171,4 +172,9 @@ def _init_source(cfg: DictConfig, run: RunDir, world: World, files, mask_id: int
     if cfg.resume and world.broadcast_object(latest_checkpoint(run.path) is not None if world.is_main else None):
         return None
     config = build_drafter_config(files.config, cfg.model, files.layer_ids, mask_id)
-    return find_init_source(cfg.model.init_from, config)
+    source = find_init_source(cfg.model.init_from, config)
+    if world.is_main:  # fine-tuning in another chat rendering than the drafter was trained in (thinking on/off)
+        here = dict(cfg.data.get("chat_template_kwargs") or {})
+        trained = trained_rendering(cfg.model.init_from)
+        warn_if_rendered_otherwise(cfg.model.init_from, trained, here, "this run (model.init_from)")
+    return source
