@@ -5,6 +5,7 @@ device in the run's dtype (#48), ShareGPT's original answers and a seeded mix of
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -45,6 +46,10 @@ def data(tmp_path, monkeypatch):
     return make
 
 
+def _plain(messages: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if k != "finish_reason"} for m in messages]
+
+
 def _records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -77,7 +82,7 @@ def test_original_answers_need_no_target_and_say_where_they_come_from(data):
     made = data("--data", "original", "--original-records", "5")
     assert _Backend.made == [] and made.result == "original made" and made.path.name == "original-5.jsonl"
     rows = _records(made.path)
-    assert [r["messages"] for r in rows] == sharegpt_exchanges(1, 5)  # the answers people got
+    assert [_plain(r["messages"]) for r in rows] == sharegpt_exchanges(1, 5)  # the answers people got
     assert [(r["origin"], r["conversation"]) for r in rows] == [("original", i) for i in range(5)]
     manifest = json.loads(sharegpt_mix.manifest_path(made.path).read_text())
     assert manifest["records_by_origin"] == {"regenerated": 0, "original": 5}
@@ -96,7 +101,7 @@ def test_turns_cut_elsewhere_are_their_own_file_and_say_so(data):
     longer = data("--data", "original", "--original-records", "40", "--max-turn-chars", "4000")
     assert (short.path.name, longer.path.name) == ("original-40.jsonl", "original-40-cut4000.jsonl")
     a, b = _records(short.path), _records(longer.path)
-    assert [r["messages"] for r in b] == sharegpt_exchanges(1, 40, max_chars=4000)
+    assert [_plain(r["messages"]) for r in b] == sharegpt_exchanges(1, 40, max_chars=4000)
     lengths = [(len(x["messages"][1]["content"]), len(y["messages"][1]["content"])) for x, y in zip(a, b)]
     assert all(s <= 1500 and s <= t <= 4000 for s, t in lengths) and any(t > 1500 for _, t in lengths)
     cuts = [
@@ -122,7 +127,7 @@ def test_a_mix_holds_both_in_a_seeded_order_with_its_provenance(data):
     assert [r["conversation"] for r in by_origin["regenerated"]] == [0, 1, 2, 3]
     assert [r["messages"][0] for r in by_origin["regenerated"]] == [ex[0] for ex in first7[:4]]  # the same user turns
     assert all(r["messages"][1]["content"].startswith("echo ") for r in by_origin["regenerated"])
-    assert [r["messages"] for r in by_origin["original"]] == first7[4:]  # the conversations after them
+    assert [_plain(r["messages"]) for r in by_origin["original"]] == first7[4:]  # the conversations after them
     assert rows == sharegpt_mix.mixed(by_origin["regenerated"], by_origin["original"], 0)
     manifest = json.loads(sharegpt_mix.manifest_path(made.path).read_text())
     regen, original = manifest["parts"]
@@ -154,3 +159,44 @@ def test_too_many_records_fail_in_one_line_naming_the_fix(data):
         data("--data", "original", "--original-records", "20000")
     with pytest.raises(SystemExit, match="reach past record 3999; ask for fewer records"):
         data("--experiment", "sharegpt_tiny", "--data", "original", "--original-records", "5000")
+
+
+def test_an_original_answer_cut_at_max_turn_chars_says_so(data):
+    """Issue 57: a regenerated answer cut at its token limit carries finish_reason: length (its end of turn not
+    supervised); an original one cut at --max-turn-chars did not, so the drafter learnt to end turns mid-sentence."""
+    made = data("--data", "original", "--original-records", "40")
+    whole = sharegpt_exchanges(1, 40, max_chars=10**12)
+    for row, ex in zip(_records(made.path), whole):
+        user, answer = row["messages"]
+        assert "finish_reason" not in user
+        cut = answer["content"] != ex[1]["content"]
+        assert answer.get("finish_reason") == ("length" if cut else None), (len(answer["content"]), cut)
+    assert any(r["messages"][1].get("finish_reason") == "length" for r in _records(made.path))
+    records = sharegpt_mix.original_records([[{"role": "user", "content": "hi " * 10},
+                                              {"role": "assistant", "content": "word " * 10}]], 0, 20)  # fmt: skip
+    assert records[0]["messages"][1]["finish_reason"] == "length" and "finish_reason" not in records[0]["messages"][0]
+
+
+def test_the_documented_data_commands_write_the_file_their_experiment_reads():
+    """Issue 57: docs/training.md's `sharegpt_data --experiment smollm2_sharegpt --data original` wrote
+    original-1000.jsonl while the experiment reads original-5000.jsonl."""
+    import re
+    import shlex
+
+    from conftest import REPO, compose_config
+
+    found = 0
+    for doc in (REPO / "docs" / "training.md", REPO / "conf" / "experiment" / "smollm2_sharegpt.yaml"):
+        text = re.sub(r"\s*\n\s*#?\s*", " ", doc.read_text())  # commands wrapped over lines (and comments)
+        for command in re.findall(r"python -m dflash\.recipes\.sharegpt_data ([^`;:)]*)", text):
+            args = sharegpt_data.parse_args(shlex.split(command))
+            if args.overrides:
+                continue
+            cfg = compose_config([f"experiment={args.experiment}"])
+            suffix = sharegpt_data.cut_suffix(args.max_turn_chars)
+            made = sharegpt_data.data_path(args.out or REPO, args.data, args.records, args.original_records,
+                                           args.mix_seed, args.regen_name, suffix)  # fmt: skip
+            if args.data == "original":
+                assert made.name == Path(cfg.data.path).name, (doc.name, command)
+                found += 1
+    assert found >= 2

@@ -35,6 +35,7 @@ from dflash.model.tiny_chat import (
     CHAT_FIRST_RECORD,
     CHAT_LAST_RECORD,
     MAX_TURN_CHARS,
+    first_exchange,
     sharegpt_exchanges,
     sharegpt_path,
 )
@@ -60,6 +61,9 @@ def last_record(cfg) -> int:
     """The last ShareGPT record a drafter's data may take: the embedded chat target was pretrained on the records
     from CHAT_FIRST_RECORD on, so its data stops before them; any other target's before the sharegpt suite's."""
     return CHAT_FIRST_RECORD - 1 if cfg.model.name == "tiny_chat" else CHAT_LAST_RECORD
+
+
+UNCUT = 10**12  # turns read whole, then cut (first_exchange) where an original answer's cut is marked
 
 
 def cut_suffix(max_turn_chars: int) -> str:
@@ -158,7 +162,8 @@ def make_data(argv: Sequence[str] | None = None) -> DataMade:
     cpu0, wall0 = time.process_time(), time.monotonic()
     wanted = max(regenerated, first_original + (originals if args.data != "regenerated" else 0))
     suffix = cut_suffix(args.max_turn_chars)
-    rows = exchanges(wanted, args.source, last_record(cfg), args.max_turn_chars)
+    whole = exchanges(wanted, args.source, last_record(cfg), UNCUT)  # an original answer cut says so (#57)
+    rows = [first_exchange(ex, args.max_turn_chars) for ex in whole]
     read = {"cpu_s": time.process_time() - cpu0, "wall_s": time.monotonic() - wall0}
     regen, outcome = out / args.regen_name, None
     if regenerated:
@@ -166,7 +171,8 @@ def make_data(argv: Sequence[str] | None = None) -> DataMade:
     if args.data == "regenerated":
         return DataMade(regen, regen_result(outcome), outcome, data_cost(regen, None))
     cpu0, wall0 = time.process_time(), time.monotonic()
-    original = sharegpt_mix.original_records(rows[first_original : first_original + originals], first_original)
+    part = whole[first_original : first_original + originals]
+    original = sharegpt_mix.original_records(part, first_original, args.max_turn_chars)
     source = {**input_identity(args.source or sharegpt_path()), "turns_cut_at_chars": args.max_turn_chars}
     parts = [{"origin": sharegpt_mix.ORIGINAL, "conversations": {"first": first_original, "count": originals},
               "how": "ShareGPT's own answers of the conversations' first exchanges"}]  # fmt: skip

@@ -13,6 +13,7 @@ import random
 from pathlib import Path
 
 from dflash.core.jsonio import write_json, write_text_atomic
+from dflash.model.tiny_chat import first_exchange
 
 REGENERATED, ORIGINAL = "regenerated", "original"
 
@@ -29,9 +30,20 @@ def manifest_path(path: Path) -> Path:
     return path.with_name(path.name + ".manifest.json")
 
 
-def original_records(exchanges: list[list[dict]], first: int) -> list[dict]:
-    """ShareGPT's own answers of `exchanges`, the first of them usable exchange number `first` (from 0)."""
-    return [{"messages": ex, "origin": ORIGINAL, "conversation": first + i} for i, ex in enumerate(exchanges)]
+def original_records(exchanges: list[list[dict]], first: int, max_chars: int | None = None) -> list[dict]:
+    """ShareGPT's own answers of `exchanges`, the first of them usable exchange number `first` (from 0). With
+    `max_chars` the exchanges are whole and each turn is cut here (tiny_chat's rule); an answer cut carries
+    `finish_reason: length`, as regeneration marks one cut at its token limit: its end of turn is not supervised
+    under loss.labels=data (dflash/data/chat.py), where it would teach the drafter to end a turn mid-sentence."""
+    rows = []
+    for i, ex in enumerate(exchanges):
+        cut = ex if max_chars is None else first_exchange(ex, max_chars)
+        messages = [
+            {**m, "finish_reason": "length"} if m["role"] == "assistant" and m["content"] != whole["content"] else m
+            for m, whole in zip(cut, ex)
+        ]
+        rows.append({"messages": messages, "origin": ORIGINAL, "conversation": first + i})
+    return rows
 
 
 def regenerated_records(regen: Path) -> list[dict]:
