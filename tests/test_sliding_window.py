@@ -19,13 +19,17 @@ from dflash.model.blocks import build_flex_block_mask, build_training_attention_
 from dflash.model.build import build_drafter_config
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.export import export_drafter
-from dflash.model.window import WindowedBlocks, draft_window
+from dflash.model.window import LayerRule, WindowedBlocks, draft_window
 
 register_configs()
 B = 4
 
 
-def make_drafter(window: int | None, layers: int = 2, seed: int = 0) -> DFlashDraftModel:
+def make_drafter(
+    window: int | None, layers: int = 2, seed: int = 0, types: list[str] | None = None, **fields
+) -> DFlashDraftModel:
+    """A tiny drafter; every layer sliding under `window` with a bidirectional block (model.sliding_window's
+    drafter) unless `types` names the kinds; `fields` (is_causal, window_origin) go into its config."""
     torch.manual_seed(seed)
     cfg = Qwen3Config(
         vocab_size=512,
@@ -39,8 +43,11 @@ def make_drafter(window: int | None, layers: int = 2, seed: int = 0) -> DFlashDr
         use_sliding_window=window is not None,
         sliding_window=window,
         max_window_layers=layers,
-        layer_types=["full_attention" if window is None else "sliding_attention"] * layers,
+        layer_types=types or ["full_attention" if window is None else "sliding_attention"] * layers,
     )
+    cfg.is_causal = False if types is None else None
+    for key, value in fields.items():
+        setattr(cfg, key, value)
     cfg.dflash_config = {"mask_token_id": 1, "target_layer_ids": [1, 2], "block_size": B}
     cfg.block_size, cfg.num_target_layers = B, 4
     return DFlashDraftModel(cfg).eval()
@@ -57,12 +64,14 @@ def test_the_window_must_hold_a_block():
         validate(_compose("model.sliding_window=4", "model.block_size=8"))
 
 
-def test_mixed_full_and_sliding_layers_are_refused_for_training():
-    d = make_drafter(6)
-    assert draft_window(d.config) == 6 and draft_window(make_drafter(None).config) is None
-    d.config.layer_types = ["full_attention", "sliding_attention"]
-    with pytest.raises(ValueError, match="mixes full and sliding"):
-        draft_window(d.config)
+def test_draft_window_gives_each_layers_rule():
+    """None without a rule; the uniform window's bidirectional rule; z-lab's per-layer default without is_causal."""
+    assert draft_window(make_drafter(None).config) is None
+    assert draft_window(make_drafter(6).config) == (LayerRule(6), LayerRule(6))
+    mixed = make_drafter(6, types=["sliding_attention", "full_attention"])
+    assert draft_window(mixed.config) == (LayerRule(6, causal=True), LayerRule())
+    anchor = make_drafter(6, types=["sliding_attention", "full_attention"], is_causal=False, window_origin="anchor")
+    assert draft_window(anchor.config) == (LayerRule(6, False, "anchor"), LayerRule())
 
 
 def test_training_masks_agree_and_hide_what_lies_outside_the_window():
@@ -158,7 +167,8 @@ def test_a_window_as_long_as_the_sequence_is_bitwise_full_attention(tiny_target,
         cfg = _compose(f"model.target={tiny_target}", f"model.sliding_window={window}", "model.attention=sdpa")
         torch.manual_seed(0)
         drafter = DFlashDraftModel(build_drafter_config(target.model.config, cfg.model, [1, 2], mask_id))
-        assert draft_window(drafter.config) == (None if window == "null" else int(window))
+        n = drafter.config.num_hidden_layers
+        assert draft_window(drafter.config) == (None if window == "null" else (LayerRule(int(window)),) * n)
         trainer = DrafterTrainer(cfg, target, drafter, mask_id, total_steps=10)
         out = trainer.compute_loss(item, 0, 0.0)
         out.loss.backward()

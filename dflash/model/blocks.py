@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.model.anchor_budget import anchor_counts
-from dflash.model.window import WindowedBlocks, effective_window, query_positions
+from dflash.model.window import LayerRule, WindowedBlocks, as_rules, effective_window, query_positions
 
 
 @dataclass
@@ -26,7 +26,7 @@ class TrainingBlocks:
     label_valid: torch.Tensor  # (bsz, N, B-1) bool: block valid and label a supervised token
     teacher_positions: torch.Tensor  # (bsz, N, B-1) long: a_j + k - 1, the target position predicting label k
     # (bsz, 1, N * B, S + N * B) bool tensor (True = may attend), a flex BlockMask, or under a window with sdpa
-    # a WindowedBlocks (model/window.py)
+    # a WindowedBlocks (model/window.py); a list of them, one per layer, where the drafter's layers differ
     attention_mask: object
 
 
@@ -65,27 +65,45 @@ def sample_anchors(
 
 
 def build_training_attention_mask(
-    anchors: torch.Tensor, block_valid: torch.Tensor, seq_len: int, block_size: int, window: int | None = None
+    anchors: torch.Tensor,
+    block_valid: torch.Tensor,
+    seq_len: int,
+    block_size: int,
+    window: int | None = None,
+    causal: bool = False,
+    origin: str = "query",
 ):
     """(bsz, 1, N*B, S + N*B) bool. A query in block j sees context positions < a_j (not the anchor's own
     feature: at inference the bonus token's hidden state does not exist yet), every slot of its own block
-    (bidirectional), and nothing of other blocks. Padding blocks see only themselves (keeps softmax finite;
-    their loss weight is zero). `window` W (model/window.py): slot k also sees only context positions > a_j + k - W."""
+    (bidirectional; `causal`: slots <= its own), and nothing of other blocks. Padding blocks see only themselves
+    (keeps softmax finite; their loss weight is zero). `window` W (model/window.py): slot k also sees only context
+    positions > a_j + k - W (`origin` "anchor": >= a_j - W)."""
     bsz, n = anchors.shape
     device = anchors.device
     ctx = torch.arange(seq_len, device=device)
     ctx_visible = ctx[None, None, :] < anchors[:, :, None]  # (bsz, N, S)
+    if window is not None and origin == "anchor":
+        ctx_visible = ctx_visible & (ctx[None, None, :] >= anchors[:, :, None] - window)
     ctx_visible = ctx_visible & block_valid[:, :, None]
     ctx_visible = ctx_visible.repeat_interleave(block_size, dim=1)  # (bsz, N*B, S)
-    if window is not None:
+    if window is not None and origin == "query":
         ctx_visible = ctx_visible & (query_positions(anchors, block_size)[:, :, None] - ctx < window)
-    block_id = torch.arange(n * block_size, device=device) // block_size
-    same_block = (block_id[:, None] == block_id[None, :]).expand(bsz, -1, -1)  # (bsz, N*B, N*B)
-    return torch.cat([ctx_visible, same_block], dim=-1).unsqueeze(1)
+    slot = torch.arange(n * block_size, device=device)
+    block_id = slot // block_size
+    same_block = block_id[:, None] == block_id[None, :]
+    if causal:
+        same_block = same_block & (slot[None, :] <= slot[:, None])
+    return torch.cat([ctx_visible, same_block.expand(bsz, -1, -1)], dim=-1).unsqueeze(1)
 
 
 def build_flex_block_mask(
-    anchors: torch.Tensor, block_valid: torch.Tensor, seq_len: int, block_size: int, window: int | None = None
+    anchors: torch.Tensor,
+    block_valid: torch.Tensor,
+    seq_len: int,
+    block_size: int,
+    window: int | None = None,
+    causal: bool = False,
+    origin: str = "query",
 ):
     """The same visibility as `build_training_attention_mask`, as a FlexAttention BlockMask: only tiles with a
     visible entry are computed, so the cost grows with what each block sees, not with (N*B) x (S + N*B)."""
@@ -97,9 +115,13 @@ def build_flex_block_mask(
     def mask_mod(b, h, q_idx, kv_idx):
         blk = q_idx // block_size
         ctx = (kv_idx < seq_len) & (kv_idx < anchors[b, blk]) & block_valid[b, blk]
-        if window is not None:  # slot q_idx % B sits at a + q_idx % B; tiles wholly outside the window are skipped
+        if window is not None and origin == "anchor":
+            ctx = ctx & (kv_idx >= anchors[b, blk] - window)
+        elif window is not None:  # slot q_idx % B sits at a + q_idx % B; tiles wholly outside the window are skipped
             ctx = ctx & (anchors[b, blk] + q_idx % block_size - kv_idx < window)
         same_block = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == blk)
+        if causal:
+            same_block = same_block & (kv_idx - seq_len <= q_idx)
         return ctx | same_block
 
     return create_block_mask(mask_mod, bsz, None, q_len, kv_len, device=str(anchors.device))
@@ -113,10 +135,11 @@ def build_training_blocks(
     block_size: int,
     mask_token_id: int,
     attention: str = "sdpa",
-    window: int | None = None,
+    window=None,
 ) -> TrainingBlocks:
     """attention: "sdpa" builds a dense boolean mask, "flex" a FlexAttention BlockMask. window: the drafter's
-    sliding window (model/window.py; None = full attention); under it sdpa attends per block (WindowedBlocks)."""
+    layers' rules (model/window.py's `draft_window`: None = every layer full and bidirectional; an int W = every
+    layer sliding, bidirectional); under a window sdpa attends per block (WindowedBlocks)."""
     bsz, seq_len = input_ids.shape
     n = anchors.shape[1]
     device = input_ids.device
@@ -142,13 +165,27 @@ def build_training_blocks(
     )
 
 
-def _attention_mask(anchors, block_valid, seq_len: int, block_size: int, attention: str, window: int | None):
-    window = effective_window(window, seq_len)  # a window as long as the sequence: the full-attention path
+def _attention_mask(anchors, block_valid, seq_len: int, block_size: int, attention: str, window):
+    """One mask per distinct layer rule: a single one where every layer has the same, else a list, one per layer."""
+    rules = as_rules(window) or (LayerRule(),)
+    built: dict[LayerRule, object] = {}
+    per_layer = []
+    for rule in rules:
+        # a window as long as the sequence: the full-attention path (the plain mask where the block is bidirectional)
+        rule = LayerRule(effective_window(rule.window, seq_len), rule.causal, rule.origin)
+        if rule not in built:
+            built[rule] = _one_mask(anchors, block_valid, seq_len, block_size, attention, rule)
+        per_layer.append(built[rule])
+    return per_layer[0] if len(built) == 1 else per_layer
+
+
+def _one_mask(anchors, block_valid, seq_len: int, block_size: int, attention: str, rule: LayerRule):
+    args = (anchors, block_valid, seq_len, block_size)
     if attention == "flex":
-        return build_flex_block_mask(anchors, block_valid, seq_len, block_size, window)
-    if window is not None:
-        return WindowedBlocks(anchors, block_valid, seq_len, block_size, window)
-    return build_training_attention_mask(anchors, block_valid, seq_len, block_size)
+        return build_flex_block_mask(*args, rule.window, rule.causal, rule.origin)
+    if rule.window is not None:
+        return WindowedBlocks(*args, rule.window, rule.causal, rule.origin)
+    return build_training_attention_mask(*args, causal=rule.causal)
 
 
 def gather_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

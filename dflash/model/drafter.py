@@ -14,10 +14,14 @@ keys/values ("KV injection"):
     out = norm(x)
 
 Training (many blocks at once) passes either a boolean `attention_mask` of shape (bsz, 1, q_len, ctx_len + q_len)
-(SDPA) or a FlexAttention `BlockMask` (sparse: only visible tiles are computed; CUDA, compiled); inference passes
-no mask (non-causal: the block sees all cached context and its whole self). Layers of `layer_types`
-"sliding_attention" with `sliding_window` W see only keys less than W positions from the query, as Qwen3 and
-z-lab's loader read these fields (training builds the same window into its mask: dflash/model/window.py).
+(SDPA) or a FlexAttention `BlockMask` (sparse: only visible tiles are computed; CUDA, compiled), or a list of them,
+one per layer; inference passes no mask and each layer applies its own rule to its KV cache (`_layer_rule`), as
+z-lab's loader (>= 07ebd93) and vLLM read the config:
+  - `layer_types[i]` "sliding_attention" with `sliding_window` W: keys less than W positions before the query
+    (`window_origin` "anchor", ours: the W positions before the block's anchor, speculators' rule);
+  - causal inside the block (slot i sees slots j <= i) when `is_causal` says so, and where it is absent (None) in
+    sliding layers only: full layers then see the whole block (z-lab's Qwen3.6 layout). Training builds the same
+    rules into its masks (dflash/model/window.py).
 """
 
 from __future__ import annotations
@@ -98,21 +102,36 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + _rotate_half(x) * sin
 
 
-def _layer_window(config: Qwen3Config, layer_idx: int) -> int | None:
+def _layer_rule(config: Qwen3Config, layer_idx: int) -> tuple[int | None, bool, str]:
+    """Layer `layer_idx`'s attention: (window W or None, causal block, window origin "query" | "anchor"). The block
+    is causal where `is_causal` is true, and where it is absent in sliding layers (z-lab's and vLLM's default)."""
     types = getattr(config, "layer_types", None) or []
     sliding = layer_idx < len(types) and types[layer_idx] == "sliding_attention"
-    return getattr(config, "sliding_window", None) if sliding else None
+    is_causal = getattr(config, "is_causal", None)
+    causal = sliding if is_causal is None else bool(is_causal)
+    window = getattr(config, "sliding_window", None) if sliding else None
+    origin = (getattr(config, "window_origin", None) or "query") if window is not None else "query"
+    return window, causal, origin
 
 
-def _window_keys(q_len: int, k: torch.Tensor, v: torch.Tensor, window: int):
-    """Decoding under a sliding window: the keys hold contiguous positions ending with the queries' own (the cache's
-    context, then the block), so query j sits at key index kv_len - q_len + j. Keys no query sees are dropped; the
-    mask keeps those less than `window` positions from the query (z-lab's rule)."""
-    keep = min(k.shape[-2], window - 1 + q_len)
-    k, v = k[..., -keep:, :], v[..., -keep:, :]
-    q_pos = torch.arange(keep - q_len, keep, device=k.device)[:, None]
-    k_pos = torch.arange(keep, device=k.device)[None, :]
-    return k, v, ((q_pos - k_pos) < window) & ((k_pos - q_pos) < window)
+def _decode_mask(q_len: int, k: torch.Tensor, v: torch.Tensor, window: int | None, causal: bool, origin: str):
+    """Decoding: the keys hold contiguous positions ending with the queries' own (the cache's context, then the
+    block), so query j sits at key index kv_len - q_len + j and the anchor at kv_len - q_len. Keys no query sees
+    are dropped; the mask keeps, of the rest, those the layer's rule shows (see the module docstring)."""
+    if window is not None:
+        keep = min(k.shape[-2], window - (origin == "query") + q_len)
+        k, v = k[..., -keep:, :], v[..., -keep:, :]
+    kv_len = k.shape[-2]
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=k.device)[:, None]
+    k_pos = torch.arange(kv_len, device=k.device)[None, :]
+    visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=k.device)
+    if causal:
+        visible &= k_pos <= q_pos
+    if window is not None and origin == "anchor":
+        visible &= k_pos >= kv_len - q_len - window  # a - W <= c for every slot
+    elif window is not None:
+        visible &= ((q_pos - k_pos) < window) & ((k_pos - q_pos) < window)
+    return k, v, visible
 
 
 class DraftKVCache:
@@ -159,14 +178,14 @@ class Qwen3DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.sliding_window = _layer_window(config, layer_idx)
+        self.sliding_window, self.causal, self.window_origin = _layer_rule(config, layer_idx)
 
     def forward(
         self,
         hidden_states: torch.Tensor,  # (bsz, q_len, H), layer-normed block stream
         target_hidden: torch.Tensor,  # (bsz, ctx_len, H), fused context, not layer-normed
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # each (bsz, ctx_len + q_len, head_dim)
-        attention_mask: torch.Tensor | None,  # bool (bsz, 1, q_len, kv_len) or None (see all)
+        attention_mask: torch.Tensor | None,  # bool (bsz, 1, q_len, kv_len), or None: the layer's own rule
         past_key_values=None,
     ) -> torch.Tensor:
         bsz, q_len, _ = hidden_states.shape
@@ -181,8 +200,9 @@ class Qwen3DFlashAttention(nn.Module):
         k = _apply_rope(k, cos, sin)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
-        if attention_mask is None and self.sliding_window is not None and k.shape[-2] > self.sliding_window:
-            k, v, attention_mask = _window_keys(q_len, k, v, self.sliding_window)
+        window = self.sliding_window
+        if attention_mask is None and (self.causal or (window is not None and k.shape[-2] > window)):
+            k, v, attention_mask = _decode_mask(q_len, k, v, window, self.causal, self.window_origin)
         if hasattr(attention_mask, "attend"):  # a training mask that attends itself (dflash/model/window.py)
             return self.o_proj(attention_mask.attend(q, k, v).transpose(1, 2).reshape(bsz, q_len, -1))
         if BlockMask is not None and isinstance(attention_mask, BlockMask):
@@ -279,14 +299,18 @@ class DFlashDraftModel(PreTrainedModel):
         noise_embedding: torch.Tensor,  # (bsz, q_len, H): target embedding of [anchor, MASK, ...] per block
         target_hidden: torch.Tensor,  # (bsz, ctx_len, n_feat * H): new context features (not yet cached)
         position_ids: torch.Tensor,  # (bsz, ctx_len + q_len): absolute positions of context then block tokens
-        attention_mask: torch.Tensor | None = None,  # bool (bsz, 1, q_len, kv_len); None = see everything
+        attention_mask=None,  # bool (bsz, 1, q_len, kv_len), a BlockMask, a list of one per layer, or None
         past_key_values=None,
         **kwargs,
     ) -> torch.Tensor:
-        """Returns the normed hidden states of the block tokens, (bsz, q_len, H); logits = target lm_head(out)."""
+        """Returns the normed hidden states of the block tokens, (bsz, q_len, H); logits = target lm_head(out).
+        attention_mask None: each layer's own rule over its KV cache (decoding)."""
         ctx = self.fuse_context(target_hidden)
         cos_sin = self.rotary_emb(noise_embedding, position_ids)
         hidden_states = noise_embedding
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, ctx, cos_sin, attention_mask, past_key_values)
+        masks = attention_mask if isinstance(attention_mask, (list, tuple)) else [attention_mask] * len(self.layers)
+        if len(masks) != len(self.layers):
+            raise ValueError(f"{len(masks)} attention masks for {len(self.layers)} layers")
+        for layer, mask in zip(self.layers, masks):
+            hidden_states = layer(hidden_states, ctx, cos_sin, mask, past_key_values)
         return self.norm(hidden_states)

@@ -122,6 +122,26 @@ def check_fits(source: InitSource, want: dict) -> None:
         raise ConfigError(
             f"model.init_from={source.given!r}: the drafter at {source.path} does not fit this run: {said}"
         )
+    there, here = (_rules(c) for c in (have, want))
+    if there != here:  # the same weights, another function: a change of recipe, or a mistake
+        log.warning(
+            "model.init_from=%r: its layers attend otherwise than this run's (model.layer_types, sliding_window, "
+            "sliding_block, window_origin): %s there, %s here",
+            source.given,
+            there,
+            here,
+        )
+
+
+def _rules(config: dict) -> list[str]:
+    """Each layer's attention rule in words (the drafter's own reading of its config: dflash/model/window.py)."""
+    from types import SimpleNamespace
+
+    from dflash.model.window import layer_rules
+
+    rules = layer_rules(SimpleNamespace(**{"layer_types": None, "sliding_window": None, **config}))
+    said = ["full" if r.window is None else f"sliding {r.window} from the {r.origin}" for r in rules]
+    return [f"{s}, {'causal' if r.causal else 'bidirectional'}" for s, r in zip(said, rules)]
 
 
 def load_init_weights(drafter: torch.nn.Module, source: InitSource) -> dict:
