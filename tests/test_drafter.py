@@ -234,7 +234,7 @@ def test_export_round_trip(tmp_path):
     assert cfg["architectures"] == ["DFlashDraftModel"]
     assert cfg["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
     assert cfg["model_type"] == "qwen3" and cfg["block_size"] == B and cfg["num_target_layers"] == 4
-    assert cfg["dflash_config"] == {"mask_token_id": 1, "target_layer_ids": [1, 2], "block_size": B}
+    assert cfg["dflash_config"] == {"mask_token_id": 1, "target_layer_ids": [1, 2], "block_size": B, "causal": False}
     assert cfg["rope_theta"] == 10000.0 and cfg["layer_types"] == ["full_attention"] * 2
     import dflash.model.drafter
 

@@ -1,7 +1,7 @@
 """vLLM speculators 0.9.0's checkpoint layout for DFlash, both ways (model/families/speculators_layout.py): our
 drafter written there loads with speculators' own DFlashDraftModel (its weights, config and forward ours), and what
-speculators saves loads as our drafter; what ours cannot be (a pruned vocabulary, a causal block in sliding layers)
-is refused by name."""
+speculators saves loads as our drafter; what ours cannot be (a pruned vocabulary) is refused by name; sliding layers
+keep speculators' rule both ways (test_layer_types.py: its mask against ours)."""
 
 from __future__ import annotations
 
@@ -113,9 +113,9 @@ def _edit(path, **fields):
     (path / "config.json").write_text(json.dumps(raw))
 
 
-def test_a_pruned_vocabulary_or_a_causal_sliding_block_is_refused_and_a_non_causal_window_warns(
-    tiny_dir, tmp_path, caplog
-):
+def test_a_pruned_vocabulary_is_refused_and_sliding_layers_keep_speculators_rule(tiny_dir, tmp_path):
+    """A causal sliding block (speculators' CLI default) reads as such, the flag as a bidirectional one; both with
+    the window counted from the anchor, as speculators counts it."""
     out, ours = tmp_path / "out", _ours(tiny_dir)
     out.mkdir()
     write_speculators(ours, out, verifier=str(tiny_dir))
@@ -125,11 +125,11 @@ def test_a_pruned_vocabulary_or_a_causal_sliding_block_is_refused_and_a_non_caus
     n = ours.config.num_hidden_layers
     sliding = {"layer_types": ["sliding_attention"] * n, "sliding_window": 16, "use_sliding_window": True}
     _edit(out, draft_vocab_size=512, sliding_window_non_causal=False, layer=sliding)
-    with pytest.raises(ValueError, match="slide with a causal block .* --full-attention-indices"):
-        load_drafter(out)
+    attn = load_drafter(out).layers[0].self_attn
+    assert (attn.sliding_window, attn.causal, attn.window_origin) == (16, True, "anchor")
     _edit(out, sliding_window_non_causal=True)
-    assert load_drafter(out).layers[0].self_attn.sliding_window == 16
-    assert "counts the window from each block's anchor" in caplog.text
+    attn = load_drafter(out).layers[0].self_attn
+    assert (attn.sliding_window, attn.causal, attn.window_origin) == (16, False, "anchor")
 
 
 def test_the_verifier_is_named_by_its_own_architecture(tmp_path, tiny_dir):

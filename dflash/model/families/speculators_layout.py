@@ -11,9 +11,12 @@ A speculators checkpoint is `config.json` + `model.safetensors`. The config (a p
 the drafter's own under our parameter names, which are speculators' (no embed_tokens / lm_head: speculators
 reloads those from the verifier named in the config).
 
+Sliding layers (`transformer_layer_config.layer_types`, `sliding_window`) run speculators' rule: the window counted
+from each block's anchor (our model.window_origin=anchor), the block causal in sliding layers unless
+`sliding_window_non_causal` (our model.sliding_block), full layers bidirectional; a checkpoint read here keeps that
+rule (window_origin anchor, is_causal absent or false), one written from a query-origin drafter says what differs.
 What our drafters cannot be is refused on read: a pruned draft vocabulary (`draft_vocab_size` below the verifier's:
-our drafters use the target's own LM head), and a DFlash whose sliding layers run a causal block (speculators' CLI
-default, `sliding_window_non_causal: false`): our drafter runs every block non-causally.
+our drafters use the target's own LM head).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ SPECULATORS_VERSION = "0.9.0"
 CLASSES = {"dflash": DFlashDraftModel, "dspark": DSparkDraftModel, "dflash2": DFlash2DraftModel}
 # our keys in the drafter's Qwen3Config that are not the decoder layer's
 _OURS = ("dflash_config", "dspark_config", "dflash2_config", "drafter_family", "block_size", "num_target_layers",
-         "auto_map", "architectures", "dflash_target", "transformers_version", "dtype", "torch_dtype")  # fmt: skip
+         "auto_map", "architectures", "dflash_target", "transformers_version", "dtype", "torch_dtype",
+         "is_causal", "window_origin")  # fmt: skip
 
 
 def _layer_config(config) -> dict:
@@ -56,15 +60,23 @@ def _sliding(layer_types) -> bool:
     return any(t == "sliding_attention" for t in layer_types or [])
 
 
+def _sliding_non_causal(config) -> bool:
+    """speculators' one flag for every sliding layer's block (its full layers are always bidirectional)."""
+    is_causal = getattr(config, "is_causal", None)
+    if is_causal and any(t != "sliding_attention" for t in config.layer_types or []):
+        log.warning("is_causal=true: speculators runs the full-attention layers' block bidirectionally")
+    return _sliding(config.layer_types) and is_causal is False
+
+
 def _family_fields(drafter, family: str) -> dict:
     if family == "dflash":
-        # our block is non-causal in every layer; speculators' sliding layers need the flag for that
-        return {"sample_from_anchor": False, "sliding_window_non_causal": _sliding(drafter.config.layer_types)}
+        return {"sample_from_anchor": False, "sliding_window_non_causal": _sliding_non_causal(drafter.config)}
     if family == "dflash2":
         s = dflash2_settings(drafter.config)
         return {
             "sample_from_anchor": False,  # DFlash's block: speculators' DFlash2 default
-            "sliding_window_non_causal": True,
+            "sliding_window_non_causal": _sliding_non_causal(drafter.config)
+            or not _sliding(drafter.config.layer_types),
             "conv_kernel_size": int(s["conv_kernel_size"]),
             "conv_group_size": int(s["conv_group_size"]),
             "selector_rank": int(s["selector_rank"]),
@@ -73,7 +85,7 @@ def _family_fields(drafter, family: str) -> dict:
     s = dspark_settings(drafter.config)
     return {
         "sample_from_anchor": bool(s["sample_from_anchor"]),
-        "sliding_window_non_causal": False,
+        "sliding_window_non_causal": _sliding_non_causal(drafter.config),
         "markov_rank": int(s["markov_rank"]),
         "markov_head_type": s["markov_head_type"],
         "enable_confidence_head": bool(s["confidence_head"]),
@@ -105,7 +117,7 @@ def speculators_config(drafter: DFlashDraftModel, verifier: str | None) -> dict:
             f"target_layer_ids={drafter.target_layer_ids} read the target's last layer, which speculators splits off "
             "as the verifier's last hidden state: train with model.target_layer_ids below the last layer"
         )
-    if family == "dflash" and _sliding(cfg.layer_types):
+    if family == "dflash" and _sliding(cfg.layer_types) and getattr(cfg, "window_origin", "query") != "anchor":
         log.warning(_WINDOW_RULE)
     found = verifier_config(verifier)
     return {
@@ -138,7 +150,8 @@ def speculators_config(drafter: DFlashDraftModel, verifier: str | None) -> dict:
 
 _WINDOW_RULE = (
     "a DFlash with sliding layers in speculators' layout: speculators counts the window from each block's anchor, "
-    "this drafter from each query slot, so the two see up to block_size context positions apart at the window's edge"
+    "this drafter from each query slot, so the two see up to block_size context positions apart at the window's edge "
+    "(train with model.window_origin=anchor for speculators' rule)"
 )
 
 
@@ -158,8 +171,8 @@ def is_speculators_dir(path: Path) -> bool:
 
 
 def _refuse_what_ours_cannot_be(path: Path, kind: str, raw: dict, config) -> None:
-    """A pruned draft vocabulary, a DFlash sampling from its anchor or running a causal block in sliding layers:
-    our drafters would load other weights or compute another function."""
+    """A pruned draft vocabulary, a DFlash sampling from its anchor: our drafters would load other weights or
+    compute another function."""
     if int(raw.get("draft_vocab_size") or config.vocab_size) != int(config.vocab_size):
         raise ValueError(
             f"{path}: draft_vocab_size={raw['draft_vocab_size']} of the verifier's {config.vocab_size} tokens (a "
@@ -169,14 +182,6 @@ def _refuse_what_ours_cannot_be(path: Path, kind: str, raw: dict, config) -> Non
         return
     if raw.get("sample_from_anchor"):
         raise ValueError(f"{path}: a DFlash with sample_from_anchor=true; our DFlash's anchor slot drafts nothing")
-    if _sliding(config.layer_types):
-        if not raw.get("sliding_window_non_causal"):
-            raise ValueError(
-                f"{path}: layer_types={list(config.layer_types)} slide with a causal block (sliding_window_non_causal "
-                "false, speculators' CLI default for dflash); our drafter runs every block non-causally: train it "
-                "with --full-attention-indices naming every layer, or --sliding-window-non-causal"
-            )
-        log.warning("%s: %s", path, _WINDOW_RULE)
 
 
 def load_speculators(path: Path) -> DFlashDraftModel:
@@ -192,6 +197,12 @@ def load_speculators(path: Path) -> DFlashDraftModel:
         raise ValueError(f"{path}: speculators_model_type={kind!r}; this framework reads {', '.join(CLASSES)} ones")
     config = Qwen3Config(**{k: v for k, v in raw["transformer_layer_config"].items() if k != "model_type"})
     _refuse_what_ours_cannot_be(path, kind, raw, config)
+    if _sliding(config.layer_types):  # speculators' rule: the window from the anchor; the flag for every sliding block
+        config.window_origin = "anchor"
+        if raw.get("sliding_window_non_causal"):
+            config.is_causal = False
+    else:
+        config.is_causal = False
     spec = raw.get("speculators_config") or {}
     if kind == "dflash":  # block_size slots, the anchor's drafting nothing
         block = int(raw["block_size"])
