@@ -200,3 +200,17 @@ def test_the_documented_data_commands_write_the_file_their_experiment_reads():
                 assert made.name == Path(cfg.data.path).name, (doc.name, command)
                 found += 1
     assert found >= 2
+
+
+def test_the_documented_experiments_read_the_data_they_were_measured_on():
+    """#57: make real's default moved to ShareGPT's originals labelled by the target; the loss ablation (and the
+    regenerated side of the original-answers comparison) were measured on the target's own answers with the text's
+    labels, and keep them."""
+    from conftest import compose_config
+
+    ablation = compose_config(["experiment=smollm2_ablation_loss"])
+    assert ablation.data.path == "outputs/smollm2_sharegpt/regen.jsonl" and ablation.loss.labels == "data"
+    originals = compose_config(["experiment=smollm2_original_answers"])
+    assert originals.data.path == "outputs/smollm2_sharegpt/prompts.jsonl" and originals.loss.labels == "data"
+    default = compose_config(["experiment=smollm2_sharegpt"])
+    assert default.data.path.endswith("original-5000.jsonl") and default.loss.labels == "target"

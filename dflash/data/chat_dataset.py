@@ -26,8 +26,9 @@ from dflash.data.records import iter_raw_records, read_error_reason
 log = logging.getLogger(__name__)
 
 # bump when rendering changes, so caches made by older code are not reused (3: a .json array's bytes that are not
-# UTF-8 make its record not_utf8, as in JSONL, where 2 trained on U+FFFD)
-RENDER_VERSION = 3
+# UTF-8 make its record not_utf8, as in JSONL, where 2 trained on U+FFFD; 4: an answer cut at its limit,
+# `finish_reason: length`, regenerated or, since issue 57, original, has no supervised end of turn)
+RENDER_VERSION = 4
 _MIN_RECORDS_PER_PROC = 2_000  # below this, starting worker processes costs more than it saves
 
 
