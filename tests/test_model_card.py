@@ -54,3 +54,13 @@ def test_a_run_without_evals_says_so(tmp_path):
     (run / "summary.json").write_text(json.dumps({"step": 3, "status": "completed"}))
     (run / "benchmarks.json").unlink()
     assert "Not evaluated" in model_card(run)
+
+
+def test_the_card_states_the_chat_rendering_it_was_trained_on(tmp_path):
+    """#56: a Qwen3.6 drafter trained with thinking off must be served with thinking off."""
+    run = _run_dir(tmp_path)
+    assert "chats rendered with the chat template's defaults" in model_card(run)
+    config = yaml.safe_load((run / "config_resolved.yaml").read_text())
+    config["data"]["chat_template_kwargs"] = {"enable_thinking": False}
+    (run / "config_resolved.yaml").write_text(yaml.safe_dump(config))
+    assert "chats rendered with `data.chat_template_kwargs={enable_thinking: false}`" in model_card(run)

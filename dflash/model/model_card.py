@@ -74,6 +74,17 @@ def _fallback(info: dict) -> str:
     return f" (fell back: {last['fallback']})" if last.get("fallback") else ""
 
 
+def _rendering(c: dict) -> str:
+    """The chat rendering the drafter was trained on (data.chat_template_kwargs): serve it in the same."""
+    prefix = "data.chat_template_kwargs."
+    kwargs = {k[len(prefix) :]: v for k, v in c.items() if k.startswith(prefix)}
+    if not kwargs and c.get("data.name") != "jsonl":
+        return ""
+    said = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in sorted(kwargs.items()))
+    shown = f"`data.chat_template_kwargs={{{said}}}`" if kwargs else "the chat template's defaults"
+    return f"; chats rendered with {shown}: serve with the same (e.g. thinking on or off)"
+
+
 def _resume_changes(info: dict) -> str:
     """The loss and precision keys a resume changed, from the step it resumed at (run.json's `resumes`)."""
     said = []
@@ -143,7 +154,8 @@ def model_card(run_dir: str | Path) -> str:
         f"- **Target**: `{target}`" + (f" (`{base}`)" if base != target else ""),
         f"- **Data**: `data={c.get('data.name', '?')}` `{c.get('data.path') or 'the embedded corpus'}`; "
         f"{m.get('tokens', '?')} target tokens seen in training"
-        + (f", {m['train/supervised_tokens']} of them supervised" if "train/supervised_tokens" in m else ""),
+        + (f", {m['train/supervised_tokens']} of them supervised" if "train/supervised_tokens" in m else "")
+        + _rendering(c),
         f"- **Recipe**: {recipe}",
         f"- **Machine**: {_machine(info)}; {_fmt(m.get('wall_time_s'), 0)} s of wall time, status "
         f"`{m.get('status', run.status)}`",
