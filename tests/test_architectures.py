@@ -129,8 +129,12 @@ def test_gpt_oss_runs_eager_attention_and_the_store_records_it(targets):
     assert target_attention(str(targets["gpt_oss"])) == "eager" and target_attention(str(targets["qwen3_5"])) == "sdpa"
 
 
+# the whole job once a family: a `_vl` checkpoint loads the same text class as its plain text variant
+WHOLE_JOB = ["qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "gemma4_vl", "gpt_oss", "llama"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", HYBRID)
+@pytest.mark.parametrize("arch", WHOLE_JOB)
 def test_the_whole_job_on_every_architecture(targets, cache_dir, tmp_path, arch):
     """As a user runs it: a feature store built, the drafter trained from it, evaluated losslessly, exported; the
     export reloads and records the target's architecture."""
