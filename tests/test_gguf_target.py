@@ -242,7 +242,12 @@ def test_a_drafter_trains_against_the_real_target_and_exports(tmp_path, cache_di
     run = json.loads((run_dir / "run.json").read_text())
     assert run["target_provenance"]["gguf_sha256"] == info["gguf_sha256"]
     cfg = json.loads((run_dir / "drafter/config.json").read_text())
-    assert cfg["dflash_config"] == {"mask_token_id": 16, "target_layer_ids": [1, 14, 27], "block_size": 8}
+    assert cfg["dflash_config"] == {
+        "mask_token_id": 16,
+        "target_layer_ids": [1, 14, 27],
+        "block_size": 8,
+        "causal": False,
+    }
     assert cfg["hidden_size"] == 576 and cfg["num_hidden_layers"] == 2
     drafter = AutoModel.from_pretrained(run_dir / "drafter", trust_remote_code=True)  # z-lab's loader
     assert type(drafter).__name__ == "DFlashDraftModel"
