@@ -228,6 +228,27 @@ def test_zlab_released_qwen3_6_layout_reads_as_its_rule():
     assert draft_window(d.config) == (LayerRule(2048, True),) * 4 + (LayerRule(),)
 
 
+def test_init_from_warns_when_the_sources_layers_attend_otherwise(tmp_path, caplog):
+    """The same shapes, another rule: a warning naming both (a recipe change or a mistake); transformers' reading of
+    a config without use_sliding_window (no window) counts."""
+    from dflash.train.init_from import find_init_source
+
+    out = export_drafter(_drafter("zlab"), tmp_path / "drafter")
+    with caplog.at_level(logging.WARNING):
+        find_init_source(str(out), _drafter("zlab").config)
+    assert "attend otherwise" not in caplog.text
+    with caplog.at_level(logging.WARNING):
+        find_init_source(str(out), _drafter("bidirectional").config)
+    assert "sliding 6 from the query, causal" in caplog.text
+    assert "sliding 6 from the query, bidirectional" in caplog.text
+    raw = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**raw, "use_sliding_window": False}))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        find_init_source(str(out), _drafter("zlab").config)
+    assert "['full, causal', 'full, causal', 'full, bidirectional'] there" in caplog.text
+
+
 def _speculators(tiny_dir, *overrides: str):
     from test_speculators_layout import _ours
 

@@ -139,7 +139,10 @@ def _rules(config: dict) -> list[str]:
 
     from dflash.model.window import layer_rules
 
-    rules = layer_rules(SimpleNamespace(**{"layer_types": None, "sliding_window": None, **config}))
+    fields = {"layer_types": None, **config}
+    # transformers' Qwen3Config (z-lab's loader and ours) drops the window where use_sliding_window is not true
+    fields["sliding_window"] = config.get("sliding_window") if config.get("use_sliding_window") else None
+    rules = layer_rules(SimpleNamespace(**fields))
     said = ["full" if r.window is None else f"sliding {r.window} from the {r.origin}" for r in rules]
     return [f"{s}, {'causal' if r.causal else 'bidirectional'}" for s, r in zip(said, rules)]
 
