@@ -89,6 +89,18 @@ def test_qwen3_6_tiny_trains_losslessly_as_a_user_runs_it(cache_dir, tmp_path):
     assert exported["dflash_target_architecture"]["vision_language"] is True
     assert "enable_thinking: false" in (run / "config_resolved.yaml").read_text()
     assert exported["dflash_chat_template_kwargs"] == {"enable_thinking": False}
+    # z-lab's Qwen3.6 drafter layout, as the preset says: causal sliding layers (no is_causal key), then full
+    assert exported["layer_types"] == ["sliding_attention", "full_attention"] and exported["sliding_window"] == 16
+    assert "is_causal" not in exported and "causal" not in exported["dflash_config"]
+
+
+def test_the_qwen3_6_27b_preset_is_z_labs_released_drafter_layout():
+    from conftest import compose_config
+
+    m = compose_config(["model=qwen3_6_27b"]).model
+    assert list(m.layer_types) == ["sliding_attention"] * 4 + ["full_attention"] and m.sliding_window == 2048
+    assert m.block_size == 16 and list(m.target_layer_ids) == [1, 16, 31, 46, 61] and m.mask_token_id == 248070
+    assert (m.draft_num_attention_heads, m.draft_num_key_value_heads, m.draft_head_dim) == (32, 8, 128)
 
 
 def test_a_drafter_met_in_another_rendering_warns_in_one_line(tmp_path, caplog):
