@@ -286,8 +286,11 @@ def planned_anchors(cfg, batch_size: int, seq_len: int) -> int:
 
 
 def effective_window(model_cfg, seq_len: int) -> int | None:
-    """model.sliding_window where it hides something at seq_len (dflash/model/window.py's rule), else None."""
+    """model.sliding_window where it hides something at seq_len (dflash/model/window.py's rule), else None; a drafter
+    that mixes full and sliding layers (model.layer_types) is planned as full attention: an upper bound."""
     w = model_cfg.get("sliding_window")
+    if "full_attention" in (model_cfg.get("layer_types") or []):
+        return None
     return None if w is None or w >= seq_len else int(w)
 
 
