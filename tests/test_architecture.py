@@ -39,6 +39,7 @@ LAYERS = {
     "dflash.runner.resume": 6,
     "dflash.runner.job_info": 6,
     "dflash.runner.sources": 7,
+    "dflash.runner.draft_vocab": 7,
     "dflash.runner.feature_build": 7,
     "dflash.runner.disaggregated": 7,
     "dflash.runner.job": 8,

@@ -1,6 +1,6 @@
 """vLLM speculators 0.9.0's checkpoint layout for DFlash, both ways (model/families/speculators_layout.py): our
 drafter written there loads with speculators' own DFlashDraftModel (its weights, config and forward ours), and what
-speculators saves loads as our drafter; what ours cannot be (a pruned vocabulary) is refused by name; sliding layers
+speculators saves loads as our drafter; a pruned vocabulary without its maps is refused by name; sliding layers
 keep speculators' rule both ways (test_layer_types.py: its mask against ours)."""
 
 from __future__ import annotations
@@ -113,14 +113,15 @@ def _edit(path, **fields):
     (path / "config.json").write_text(json.dumps(raw))
 
 
-def test_a_pruned_vocabulary_is_refused_and_sliding_layers_keep_speculators_rule(tiny_dir, tmp_path):
-    """A causal sliding block (speculators' CLI default) reads as such, the flag as a bidirectional one; both with
-    the window counted from the anchor, as speculators counts it."""
+def test_a_pruned_vocabulary_without_its_maps_is_refused_and_sliding_layers_keep_speculators_rule(tiny_dir, tmp_path):
+    """A draft vocabulary reads with its t2d / d2t / lm_head (tests/test_draft_vocab.py); a config that names one
+    its weights lack is refused naming them. A causal sliding block (speculators' CLI default) reads as such, the
+    flag as a bidirectional one; both with the window counted from the anchor, as speculators counts it."""
     out, ours = tmp_path / "out", _ours(tiny_dir)
     out.mkdir()
     write_speculators(ours, out, verifier=str(tiny_dir))
     _edit(out, draft_vocab_size=100)
-    with pytest.raises(ValueError, match="draft_vocab_size=100 of the verifier's 512 tokens"):
+    with pytest.raises(ValueError, match="weights do not match its config.*t2d"):
         load_drafter(out)
     n = ours.config.num_hidden_layers
     sliding = {"layer_types": ["sliding_attention"] * n, "sliding_window": 16, "use_sliding_window": True}

@@ -120,6 +120,9 @@ class ModelConfig:
     # (config.json + model.safetensors: an export, ours or released) or a run directory (its newest checkpoint,
     # else its drafter/); checked against the target and this config first (dflash/train/init_from.py)
     init_from: str | None = None
+    # the drafter's head over the N target tokens most frequent in the training labels (speculators' t2d/d2t maps,
+    # counted once, cached under paths.cache_dir; dflash/model/draft_vocab.py); null = the target's whole vocabulary
+    draft_vocab_size: int | None = None
     build: TinyBuildConfig = field(default_factory=TinyBuildConfig)
 
 

@@ -289,6 +289,14 @@ def _validate_drafter(c) -> None:
     _one_of("drafter.name", d.name, DRAFTER_NAMES)
     _check(d.markov_rank >= 0, "drafter.markov_rank", d.markov_rank, "must be >= 0 (0 = no Markov head)")
     _one_of("drafter.markov_head_type", d.markov_head_type, MARKOV_HEAD_TYPES)
+    n = getattr(c.model, "draft_vocab_size", None)
+    _check(n is None or n >= 1, "model.draft_vocab_size", n, "must be >= 1 (null = the target's whole vocabulary)")
+    _check(
+        n is None or d.name != "dflash2",
+        "model.draft_vocab_size",
+        n,
+        "drafter=dflash2 needs the full vocabulary (speculators' DFlash2 refuses a draft vocabulary): null",
+    )
     _check(lo.tv_weight >= 0, "loss.tv_weight", lo.tv_weight, "must be >= 0")
     _check(
         lo.tv_weight == 0 or d.name == "dspark",

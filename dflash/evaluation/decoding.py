@@ -35,6 +35,7 @@ from torch import nn
 
 from dflash.core import interrupts
 from dflash.evaluation.target_cache import crop_cache, new_target_cache, start_recording
+from dflash.model.draft_vocab import decoding_head
 from dflash.model.drafter import DFlashDraftModel, DraftKVCache
 
 EosIds = int | Sequence[int] | None
@@ -201,7 +202,8 @@ class DFlashProposer:
         self.layer_ids = list(drafter.target_layer_ids)
         self.mask_token_id = int(drafter.mask_token_id)
         self.embed = target_model.get_input_embeddings()
-        self.lm_head = target_model.get_output_embeddings()
+        # the target's head, or the drafter's over its draft vocabulary, mapped back to target ids (draft_vocab.py)
+        self.lm_head = decoding_head(drafter, target_model.get_output_embeddings())
         self.cache = DraftKVCache()
         self.ctx_len = 0  # context positions whose K/V are in the drafter cache
         self.device, self.dtype = module_device(drafter), module_dtype(drafter)

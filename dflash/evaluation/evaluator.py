@@ -54,6 +54,12 @@ def untrained_like(drafter: DFlashDraftModel, seed: int = 0) -> DFlashDraftModel
     """The drafter as a run with this seed initialised it (`init_drafter`): the `eval/tau_untrained` baseline.
     The caller's global RNG state is left as it was."""
     fresh = init_drafter(copy.deepcopy(drafter.config), seed, module_device(drafter), module_dtype(drafter))
+    if getattr(drafter, "d2t", None) is not None:  # a draft vocabulary: the run's maps and head (never trained)
+        head = drafter.lm_head.weight
+        with torch.no_grad():
+            fresh.t2d.copy_(drafter.t2d)
+            fresh.d2t.copy_(drafter.d2t)
+            fresh.lm_head.weight.copy_(head.full_tensor() if hasattr(head, "full_tensor") else head)
     fresh.requires_grad_(False)
     return fresh.eval()
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from dflash.evaluation.decoding import hf_model, module_device, module_dtype
 from dflash.model.blocks import build_training_blocks, gather_positions
+from dflash.model.draft_vocab import decoding_head
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.window import draft_window
 
@@ -69,6 +70,7 @@ def drafted_lengths(
     proposal runs; `confidences`, when given, receives per anchor what that rule returns beside the drafts (a
     confidence head's predictions, else None)."""
     device, dtype = module_device(drafter), module_dtype(drafter)
+    head = decoding_head(drafter, head)  # a draft vocabulary's head gives target ids (model/draft_vocab.py)
     window = draft_window(drafter.config)
     choose = getattr(drafter, "choose_drafts", None)  # a family's proposal rule (model/families/)
     slots = block_size if choose is None else drafter.slots_for(block_size - 1)

@@ -71,6 +71,13 @@ def build_drafter_config(target_config, model_cfg, target_layer_ids: list[int], 
         cfg.is_causal = is_causal
     if window is not None and origin != "query":  # ours: z-lab and vLLM measure it from each query
         cfg.window_origin = origin
+    if getattr(model_cfg, "draft_vocab_size", None) is not None:  # a head over a draft vocabulary (draft_vocab.py)
+        if not 1 <= model_cfg.draft_vocab_size < target_config.vocab_size:
+            raise ConfigError(
+                f"model.draft_vocab_size={model_cfg.draft_vocab_size} is invalid: it must be below the target's "
+                f"vocabulary of {target_config.vocab_size} (null = the whole vocabulary)"
+            )
+        cfg.draft_vocab_size = int(model_cfg.draft_vocab_size)
     cfg.architectures = ["DFlashDraftModel"]
     cfg.auto_map = {"AutoModel": "dflash.DFlashDraftModel"}
     cfg.block_size = int(model_cfg.block_size)

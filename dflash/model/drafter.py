@@ -275,7 +275,16 @@ class DFlashDraftModel(PreTrainedModel):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(head_dim, _rope_theta(config))
+        # a draft vocabulary (speculators' layout, never z-lab's): its maps t2d [V] / d2t [N] (target id = draft id
+        # + d2t[draft id]) and its head, the target head's rows of those tokens, frozen (dflash/model/draft_vocab.py)
+        draft_vocab = getattr(config, "draft_vocab_size", None)
+        if draft_vocab is not None:
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+            self.register_buffer("d2t", torch.zeros(int(draft_vocab), dtype=torch.long))
+            self.lm_head = nn.Linear(config.hidden_size, int(draft_vocab), bias=False)
         self.post_init()
+        if draft_vocab is not None:
+            self.lm_head.weight.requires_grad_(False)
 
     def _init_weights(self, module: nn.Module) -> None:
         std = getattr(self.config, "initializer_range", 0.02)

@@ -28,15 +28,39 @@ log = logging.getLogger(__name__)
 DRAFTER_SOURCE = Path(__file__).with_name("drafter.py")
 
 
+LAYOUTS = ("auto", "zlab", "speculators")
+
+
+def export_layout(drafter: DFlashDraftModel, layout: str = "auto") -> str:
+    """The layout an export writes: `auto` is z-lab's for a DFlash with the target's vocabulary, speculators' for
+    the other families and for a draft vocabulary (model.draft_vocab_size: z-lab's layout has no head of its own,
+    it uses the target's, so it refuses one, in one line)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: one of {', '.join(LAYOUTS)}")
+    family, vocab = family_name(drafter.config), getattr(drafter.config, "draft_vocab_size", None)
+    if layout == "zlab" and vocab is not None:
+        raise ValueError(
+            f"z-lab's layout uses the target's LM head and cannot hold a draft vocabulary (model.draft_vocab_size="
+            f"{vocab}): export it in speculators' layout (--layout speculators)"
+        )
+    if layout == "zlab" and family != "dflash":
+        raise ValueError(f"z-lab's layout holds DFlash only: export drafter={family} in speculators' layout")
+    if layout == "auto":
+        return "zlab" if family == "dflash" and vocab is None else "speculators"
+    return layout
+
+
 def export_drafter(
     drafter: DFlashDraftModel,
     out_dir: Path,
     dtype: torch.dtype | None = None,
     target: str | None = None,
     rendering: dict | None = None,
+    layout: str = "auto",
 ) -> Path:
-    """Write the drafter to out_dir (replaced atomically): z-lab's layout, or speculators' for a family it defines
-    beside DFlash (DSpark: model/families/speculators_layout.py)."""
+    """Write the drafter to out_dir (replaced atomically) in `export_layout`'s layout: z-lab's, or speculators'
+    (model/families/speculators_layout.py) for DSpark, DFlash2 and a draft vocabulary."""
+    layout = export_layout(drafter, layout)
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -46,7 +70,7 @@ def export_drafter(
 
         model = copy.deepcopy(drafter).to(dtype)
     try:
-        if family_name(drafter.config) == "dflash":
+        if layout == "zlab":
             _write(model, drafter, tmp, target, rendering)
         else:
             tmp.mkdir(parents=True)

@@ -23,6 +23,7 @@ from dflash.model.build import build_drafter_config, init_drafter, resolve_mask_
 from dflash.model.families import configure_family
 from dflash.model.rendering import trained_rendering, warn_if_rendered_otherwise
 from dflash.model.target import DTYPES, TargetHeads, TargetModel
+from dflash.runner.draft_vocab import counted_maps, put_into, record
 from dflash.runner.feature_build import build_store, check_long_enough
 from dflash.runner.resume import check_data_unchanged
 from dflash.runner.sources import target_and_data, target_files
@@ -116,10 +117,18 @@ def build_job(
     drafter_config = build_drafter_config(files.config, cfg.model, files.layer_ids, mask_id)
     configure_family(drafter_config, cfg.drafter)  # drafter=: the family's class and settings
     drafter = init_drafter(drafter_config, cfg.train.seed, device, DTYPES[cfg.model.dtype])
+    if target is None:
+        heads = TargetHeads.load(cfg.model.target, cfg.model.dtype, device)  # what the trainer reads of the target
+    else:
+        heads = target if target.device == device else TargetHeads(target, device)
+    maps = counted_maps(cfg, world, loaded.data, fingerprint, files.config.vocab_size)  # model.draft_vocab_size
+    put_into(drafter, maps, heads.lm_head.weight)
     if init_source is not None:
         init_record = load_init_weights(drafter, init_source)
         if world.is_main:
             run.add_run_info("init_from", init_record, resumed=bool(cfg.resume))
+    if world.is_main and (vocab := record(drafter, maps)) is not None:
+        run.add_run_info("draft_vocab", vocab, resumed=bool(cfg.resume))
     log.info(
         "drafter: %d layers, %.2fM trainable params, block %d, mask id %d",
         drafter_config.num_hidden_layers,
@@ -148,10 +157,6 @@ def build_job(
         checkpoints.maybe_save(trainer)
         evaluator.maybe_eval(trainer)
 
-    if target is None:
-        heads = TargetHeads.load(cfg.model.target, cfg.model.dtype, device)  # what the trainer reads of the target
-    else:
-        heads = target if target.device == device else TargetHeads(target, device)
     # under data parallelism a stop is agreed by all ranks at a step boundary (the trainer), never one alone
     stop_requested = stop.is_set if stop is not None and world.distributed else None
     trainer = DrafterTrainer(

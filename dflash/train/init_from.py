@@ -45,6 +45,7 @@ _CONFIG_FIELDS = {
     "num_key_value_heads": "model.draft_num_key_value_heads",
     "head_dim": "model.draft_head_dim",
     "intermediate_size": "model.draft_intermediate_size",
+    "draft_vocab_size": "model.draft_vocab_size",  # its maps and head come with its weights
 }
 _DFLASH_FIELDS = {
     "block_size": "model.block_size",

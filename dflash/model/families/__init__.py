@@ -21,6 +21,7 @@ import torch
 
 from dflash.core.config import default_decay_gamma
 from dflash.model.blocks import TrainingBlocks, build_training_blocks
+from dflash.model.draft_vocab import OOV_METRIC, draft_targets, has_draft_vocab, head_weight
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.families.dflash2 import DFlash2DraftModel, configure_dflash2
 from dflash.model.families.dflash2_loss import selector_loss
@@ -148,13 +149,14 @@ def target_argmax(
     computed here once per distinct position when the loss computes no teacher logits of its own (dflash, dflash2
     without the KL): overlapping blocks read a position up to B-1 times. None where the loss has those logits
     anyway (DSpark's TV, the KL) and takes the argmax from them."""
-    if isinstance(drafter, DSparkDraftModel):
+    vocab = has_draft_vocab(drafter)  # the target's own argmax is needed: the loss's logits cover the draft vocabulary
+    if isinstance(drafter, DSparkDraftModel) and not vocab:
         return None
     positions = blocks.teacher_positions
     bsz, n, width = positions.shape
     if stored is not None:
         return torch.gather(stored, 1, positions.reshape(bsz, -1)).view(bsz * n, width)
-    if loss_uses_kl(loss_cfg.name, loss_cfg.kl_weight) and loss_cfg.get("labels", "data") == "data":
+    if loss_uses_kl(loss_cfg.name, loss_cfg.kl_weight) and loss_cfg.get("labels", "data") == "data" and not vocab:
         return None
     valid = blocks.label_valid
     return greedy_tokens_at(last_hidden, positions, valid, lm_head_weight, loss_cfg.chunk_size).view(bsz * n, width)
@@ -192,6 +194,11 @@ def family_loss(
         if target_next is None:
             raise ValueError("loss.labels=target needs the target's argmax (target_argmax) at the drafted positions")
         labels = target_next.reshape(n, block_size - 1)
+    if has_draft_vocab(drafter):  # the loss over the draft vocabulary (the head's rows of it), labels mapped
+        return _draft_vocab_loss(
+            drafter, draft_hidden, blocks, input_ids, labels, valid, teacher_hidden, lm_head_weight, loss_cfg,
+            weight_denominator, target_next, common,
+        )  # fmt: skip
     if isinstance(drafter, DFlash2DraftModel):  # the unary loss is DFlash's; the selector's k-way CE beside it
         out = dflash_loss(draft_hidden, labels, valid, lm_head_weight, target_next=target_next, **common)
         gamma = default_decay_gamma(block_size) if loss_cfg.decay_gamma is None else loss_cfg.decay_gamma
@@ -212,3 +219,32 @@ def family_loss(
         draft_hidden, labels, valid, lm_head_weight, z, w2, conf, tv_weight=loss_cfg.tv_weight,
         confidence_weight=weight, **common,
     )  # fmt: skip
+
+
+def _draft_vocab_loss(
+    drafter, draft_hidden, blocks, input_ids, labels, valid, teacher_hidden, weight, loss_cfg, weight_denominator,
+    target_next, common,
+) -> LossOutput:  # fmt: skip
+    """DFlash's or DSpark's loss over a draft vocabulary (model/draft_vocab.py): labels in draft ids, one outside it
+    replaced by the target's best token inside it (speculators' label); train/accuracy counts no hit there, and
+    train/sim_tau none where the target's own argmax is outside (the drafter cannot propose it)."""
+    shape, weight = labels.shape, head_weight(drafter, weight)  # the target head's rows of the draft vocabulary
+    if target_next is not None:
+        target_next = target_next.reshape(shape)
+    labels, nxt, outside, share = draft_targets(
+        drafter, labels, valid, teacher_hidden, weight, target_next, weight_denominator
+    )
+    if isinstance(drafter, DSparkDraftModel):
+        z, conf = drafter.head_outputs(draft_hidden, previous_tokens(blocks, input_ids))
+        w2 = None if z is None else drafter.markov_head.markov_w2.weight
+        out = dspark_loss(
+            draft_hidden, labels, valid, weight, z, w2, conf, tv_weight=loss_cfg.tv_weight,
+            confidence_weight=1.0 if loss_cfg.confidence_weight is None else loss_cfg.confidence_weight, **common,
+        )  # fmt: skip
+        if out.target_correct is not None and nxt is not None:  # its hit is on the restricted argmax
+            out.target_correct = out.target_correct & (nxt >= 0)
+    else:
+        out = dflash_loss(draft_hidden, labels, valid, weight, target_next=nxt, **common)
+    out.correct = out.correct & ~outside
+    out.extra[OOV_METRIC] = share
+    return out

@@ -48,15 +48,15 @@ class MarkovHead(nn.Module):
     # W1 is a table over the vocabulary and W2 a projection onto it: optim=muon leaves both to AdamW (muon_split.py)
     PARAMETER_ROLES = {"markov_w1.weight": EMBEDDING, "markov_w2.weight": OUTPUT}
 
-    def __init__(self, vocab_size: int, hidden_size: int, rank: int, head_type: str):
-        super().__init__()
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, head_type: str, out_size: int | None = None):
+        super().__init__()  # out_size: W2's, the draft vocabulary's size under model.draft_vocab_size (speculators')
         if rank < 1:
             raise ValueError(f"markov_rank={rank} must be >= 1 for a Markov head")
         if head_type not in ("vanilla", "gated", "rnn"):
             raise ValueError(f"markov_head_type={head_type!r} must be vanilla, gated or rnn")
         self.rank, self.head_type = rank, head_type
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(rank, out_size or vocab_size, bias=False)
         if head_type == "gated":
             self.gate_proj = nn.Linear(hidden_size + rank, rank)
         elif head_type == "rnn":
@@ -111,7 +111,15 @@ class DSparkDraftModel(DFlashDraftModel):
         self.sample_from_anchor = bool(settings["sample_from_anchor"])
         rank = int(settings["markov_rank"])
         self.markov_head = (
-            MarkovHead(config.vocab_size, config.hidden_size, rank, settings["markov_head_type"]) if rank > 0 else None
+            MarkovHead(
+                config.vocab_size,
+                config.hidden_size,
+                rank,
+                settings["markov_head_type"],
+                getattr(config, "draft_vocab_size", None),
+            )  # fmt: skip
+            if rank > 0
+            else None
         )
         self.confidence_with_markov = bool(settings["confidence_head_with_markov"])
         self.confidence_head = None
@@ -153,7 +161,8 @@ class DSparkDraftModel(DFlashDraftModel):
             logits = base[j]
             if self.markov_head is not None:
                 z, state = self.markov_head.step(prev_emb, h, state)
-                logits = logits + self.markov_head.markov_w2(z)[0].float().to(logits.device)
+                bias = self.markov_head.markov_w2(z)[0].float().to(logits.device)
+                logits = logits + (lm_head.to_target(bias) if hasattr(lm_head, "to_target") else bias)
             conf = self.confidence_logits(h, prev_emb)
             if conf is not None:
                 confidences.append(float(torch.sigmoid(conf.float())[0]))

@@ -6,7 +6,9 @@ A speculators checkpoint is `config.json` + `model.safetensors`. The config (a p
 `SpeculatorModel.from_pretrained` resolves by `speculators_model_type`) holds the drafter's decoder shape as
 `transformer_layer_config` (a Qwen3 config), `block_size` (the slots of one forward), `aux_hidden_state_layer_ids`
 (HF hidden_states indices: our target layer id + 1, as speculators' own z-lab converter adds), `mask_token_id`,
-`draft_vocab_size` (the full vocabulary: no pruned draft vocabulary here), the family's fields, and
+`draft_vocab_size` (the full vocabulary, or model.draft_vocab_size's N: then the weights hold speculators' `t2d`
+(bool [V]), `d2t` (long [N]) and the frozen `lm_head.weight` [N, H], as its DraftVocabMixin saves and loads them),
+the family's fields, and
 `speculators_config` (algorithm, the greedy proposal with its `speculative_tokens`, the verifier). The weights are
 the drafter's own under our parameter names, which are speculators' (no embed_tokens / lm_head: speculators
 reloads those from the verifier named in the config).
@@ -15,8 +17,7 @@ Sliding layers (`transformer_layer_config.layer_types`, `sliding_window`) run sp
 from each block's anchor (our model.window_origin=anchor), the block causal in sliding layers unless
 `sliding_window_non_causal` (our model.sliding_block), full layers bidirectional; a checkpoint read here keeps that
 rule (window_origin anchor, is_causal absent or false), one written from a query-origin drafter says what differs.
-What our drafters cannot be is refused on read: a pruned draft vocabulary (`draft_vocab_size` below the verifier's:
-our drafters use the target's own LM head).
+What our drafters cannot be is refused on read: a DFlash sampling from its anchor.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ CLASSES = {"dflash": DFlashDraftModel, "dspark": DSparkDraftModel, "dflash2": DF
 # our keys in the drafter's Qwen3Config that are not the decoder layer's
 _OURS = ("dflash_config", "dspark_config", "dflash2_config", "drafter_family", "block_size", "num_target_layers",
          "auto_map", "architectures", "dflash_target", "transformers_version", "dtype", "torch_dtype",
-         "is_causal", "window_origin")  # fmt: skip
+         "is_causal", "window_origin", "draft_vocab_size")  # fmt: skip
 
 
 def _layer_config(config) -> dict:
@@ -125,7 +126,7 @@ def speculators_config(drafter: DFlashDraftModel, verifier: str | None) -> dict:
         "speculators_version": SPECULATORS_VERSION,
         "architectures": [CLASSES[family].__name__],
         "transformer_layer_config": _layer_config(cfg),
-        "draft_vocab_size": int(cfg.vocab_size),
+        "draft_vocab_size": int(getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size),
         "block_size": int(getattr(drafter, "draft_slots", drafter.block_size)),
         "target_hidden_size": None,
         "aux_hidden_state_layer_ids": [int(i) + 1 for i in drafter.target_layer_ids],
@@ -158,10 +159,13 @@ _WINDOW_RULE = (
 def write_speculators(drafter, out_dir: Path, verifier: str | None = None, dtype: torch.dtype | None = None) -> None:
     """config.json and model.safetensors into out_dir (an existing, empty directory)."""
     out_dir = Path(out_dir)
-    state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
+    state = {  # the maps (bool, long) keep their dtypes
+        k: v.detach().to(dtype if dtype is not None and v.is_floating_point() else v.dtype).contiguous().cpu()
+        for k, v in drafter.state_dict().items()
+    }
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = speculators_config(drafter, verifier)
-    config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    config["dtype"] = str(next(v for v in state.values() if v.is_floating_point()).dtype).removeprefix("torch.")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
@@ -171,13 +175,10 @@ def is_speculators_dir(path: Path) -> bool:
 
 
 def _refuse_what_ours_cannot_be(path: Path, kind: str, raw: dict, config) -> None:
-    """A pruned draft vocabulary, a DFlash sampling from its anchor: our drafters would load other weights or
-    compute another function."""
-    if int(raw.get("draft_vocab_size") or config.vocab_size) != int(config.vocab_size):
-        raise ValueError(
-            f"{path}: draft_vocab_size={raw['draft_vocab_size']} of the verifier's {config.vocab_size} tokens (a "
-            "pruned draft vocabulary): our drafters use the target's whole LM head; train without --draft-vocab-size"
-        )
+    """A DFlash sampling from its anchor (our DFlash's anchor slot drafts nothing), DFlash2 with a draft vocabulary
+    (speculators' refuses one too)."""
+    if kind == "dflash2" and int(raw.get("draft_vocab_size") or config.vocab_size) != int(config.vocab_size):
+        raise ValueError(f"{path}: a DFlash2 with a draft vocabulary; DFlash2 needs the full vocabulary")
     if kind != "dflash":
         return
     if raw.get("sample_from_anchor"):
@@ -216,6 +217,8 @@ def load_speculators(path: Path) -> DFlashDraftModel:
     }
     config.drafter_family = kind
     config.architectures = [CLASSES[kind].__name__]
+    if int(raw.get("draft_vocab_size") or config.vocab_size) != int(config.vocab_size):  # t2d, d2t, lm_head in weights
+        config.draft_vocab_size = int(raw["draft_vocab_size"])
     config.dflash2_config = {
         "conv_kernel_size": int(raw.get("conv_kernel_size", 2)),
         "conv_group_size": int(raw.get("conv_group_size", 16)),
@@ -244,4 +247,4 @@ def load_speculators(path: Path) -> DFlashDraftModel:
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{path}: weights do not match its config (missing {missing[:5]}, extra {unexpected[:5]})")
-    return drafter.to(next(iter(state.values())).dtype)
+    return drafter.to(next(v for v in state.values() if v.is_floating_point()).dtype)
