@@ -21,7 +21,6 @@ from dflash.model.draft_vocab import (
     coverage,
     decoding_head,
     draft_targets,
-    has_draft_vocab,
     target_ids,
     to_draft_ids,
 )
@@ -141,8 +140,10 @@ def test_counts_are_the_supervised_tokens_of_one_pass_and_cached(tmp_path):
     counts = count_labels(Batches(), 8)
     assert counts.tolist() == [1, 1, 4, 0, 0, 0, 0, 0]  # rows 0 and 1 only; the first token unsupervised
     path = cache_file(tmp_path, {"files": "x"}, {"seq_len": 4}, 4)
-    assert path != cache_file(tmp_path, {"files": "y"}, {"seq_len": 4}, 4) != cache_file(
-        tmp_path, {"files": "x"}, {"seq_len": 4}, 5
+    assert (
+        path
+        != cache_file(tmp_path, {"files": "y"}, {"seq_len": 4}, 4)
+        != cache_file(tmp_path, {"files": "x"}, {"seq_len": 4}, 5)
     )
     calls = []
     assert cached(path, lambda: calls.append(1) or {"counts": counts})["counts"].tolist() == counts.tolist()

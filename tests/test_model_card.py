@@ -64,3 +64,17 @@ def test_the_card_states_the_chat_rendering_it_was_trained_on(tmp_path):
     config["data"]["chat_template_kwargs"] = {"enable_thinking": False}
     (run / "config_resolved.yaml").write_text(yaml.safe_dump(config))
     assert "chats rendered with `data.chat_template_kwargs={enable_thinking: false}`" in model_card(run)
+
+
+def test_the_card_states_the_draft_vocabulary_and_its_coverage(tmp_path):
+    """#58: model.draft_vocab_size's size and its coverage of the training labels (run.json's draft_vocab)."""
+    run = _run_dir(tmp_path)
+    info = json.loads((run / "run.json").read_text())
+    info["draft_vocab"] = {"size": 8192, "target_vocab_size": 49152, "coverage": 0.9731, "labels_counted": 123456,
+                           "cache": "x"}  # fmt: skip
+    write_json(run / "run.json", info)
+    card = model_card(run)
+    assert "a draft vocabulary of 8,192 of the target's 49,152 tokens" in card
+    assert "covering 97.31% of the 123,456 training labels" in card and "speculators' layout" in card
+    (tmp_path / "plain").mkdir()
+    assert "draft vocabulary" not in model_card(_run_dir(tmp_path / "plain"))

@@ -95,6 +95,18 @@ def _resume_changes(info: dict) -> str:
     return "; " + "; ".join(said) if said else ""
 
 
+def _draft_vocab(info: dict) -> str:
+    """model.draft_vocab_size: the head's size and its coverage of the training labels (run.json's draft_vocab)."""
+    dv = info.get("draft_vocab")
+    if not dv:
+        return ""
+    return (
+        f"; a draft vocabulary of {dv['size']:,} of the target's {dv['target_vocab_size']:,} tokens "
+        f"(`model.draft_vocab_size`, vLLM speculators' `t2d`/`d2t` maps; in speculators' layout), covering "
+        f"{100 * dv['coverage']:.2f}% of the {dv['labels_counted']:,} training labels"
+    )
+
+
 def model_card(run_dir: str | Path) -> str:
     """The card's text for the run directory's drafter."""
     run = load_run(run_dir)
@@ -128,7 +140,7 @@ def model_card(run_dir: str | Path) -> str:
         f"{c.get('train.batch_size', '?')} x {c.get('train.seq_len', '?')} tokens with "
         f"{c.get('train.num_anchors', '?')} anchors a row, seed {c.get('train.seed', '?')}"
     )
-    recipe += _resume_changes(info)
+    recipe += _resume_changes(info) + _draft_vocab(info)
     rows = tau_rows(m)
     table = [
         "| prompts | tau | 95% interval | prompt lookup | tau - lookup (paired, 95%) | n |",
@@ -186,7 +198,13 @@ def model_card(run_dir: str | Path) -> str:
         "```",
         "",
     ]
-    if family != "dflash":
+    if info.get("draft_vocab"):
+        body += [
+            "With its draft vocabulary it is exported in vLLM speculators' layout (z-lab's has no head of its own): "
+            "load it with speculators' classes or dflash-train (`dflash.model.export.load_drafter`).",
+            "",
+        ]
+    elif family != "dflash":
         body += [
             f"The `{family}` family adds heads to the DFlash backbone: load it with dflash-train "
             "(`dflash.model.export.load_drafter`) or with vLLM speculators' classes, as docs/evaluation.md says.",
