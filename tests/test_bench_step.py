@@ -19,10 +19,10 @@ def test_a_budget_caps_the_blocks_of_a_batch_of_mixed_lengths():
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {line.split()[2]: line.split() for line in out.stdout.splitlines() if line.startswith("none ")}
     # per row: 32 anchors wide; a 16-token row has 15 anchor positions (a + 1 supervised), so 32 + 3 x 15 train
-    assert rows["none"][4] == "77/128"
+    assert rows["none"][5] == "77/128"
     # K = 24: one each, the other 20 shared in proportion to (31, 14, 14, 14): 8 + 3 x 3, the 3 left over to the
     # largest remainders (rows 1-3), so (9, 5, 5, 5): the tensor is 9 wide
-    assert rows["24"][4] == "24/36"
+    assert rows["24"][5] == "24/36"
     assert "budget 24 / per-row anchors (window none, none): peak memory" in out.stdout
 
 
@@ -58,3 +58,14 @@ def test_optimizers_print_their_share_of_the_step():
     assert all(0 < float(r[2]) and r[3].endswith("%") for r in rows.values())
     out = _bench("optims=sgd")
     assert out.returncode != 0 and "optims= takes" in out.stderr
+
+
+def test_a_draft_vocabulary_against_the_full_one_in_one_run():
+    """#58: draft_vocab=none,N: the head over N of the tokens against the whole head, side by side, with the ratio."""
+    out = _bench("anchors=8", "teachers=online", "draft_vocab=none,64")
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {line.split()[4]: line.split() for line in out.stdout.splitlines() if line.startswith("none ")}
+    assert set(rows) == {"500", "64"}
+    assert "draft vocab 64 / full 500 (window none, online): peak memory" in out.stdout
+    out = _bench("draft_vocab=none,64")  # teachers=none: nothing to replace an outside label from
+    assert out.returncode != 0 and "draft_vocab=N needs teachers= other than none" in out.stderr

@@ -24,7 +24,10 @@ dtype=float32 device=cpu budgets=none lengths= (empty: `batch` rows of seq_len) 
 train.precision's two steps side by side; a row is labelled by the precision that ran: `fp32*` is a bf16-mixed that
 fell back to fp32 on this machine, given no ratio) optims=none (adamw,muon,muon:float32,muon:bfloat16: the optimizer's
 step timed after each backward, over the drafter's parameters as the trainer splits them, and its share of the whole
-step; muon is optim.muon_ns_dtype=auto) rounds=1 (each variant's worker this many times, the variants in turn).
+step; muon is optim.muon_ns_dtype=auto) rounds=1 (each variant's worker this many times, the variants in turn)
+draft_vocab=none (none,N: model.draft_vocab_size's head over N of the vocab tokens against the whole head, in one
+run: the loss's head the target's rows of the N most frequent labels, labels outside replaced by the target's best
+token inside as the trainer does; a teacher other than none is needed for that replacement).
 The real target's LM head (SmolLM2-135M): hidden=576 vocab=49152 heads=9 kv_heads=3 head_dim=64 intermediate=1536
 layers=2 features=3 seq_len=256 batch=4 anchors=32 block_size=8 windows=none teachers=logits,online,argmax
 """
@@ -63,6 +66,7 @@ STEP_DEFAULTS: dict[str, str] = {
     "precisions": "fp32",
     "optims": "none",
     "rounds": "1",
+    "draft_vocab": "none",
 }
 
 
@@ -107,12 +111,13 @@ def _worker(args: list[str]) -> None:
     import torch
 
     from dflash.model.blocks import build_training_blocks, gather_positions, sample_anchors
+    from dflash.model.draft_vocab import draft_targets, target_ids
     from dflash.model.losses import dflash_loss
     from dflash.model.target import greedy_tokens, greedy_tokens_at
     from dflash.model.window import draft_window
     from dflash.train.precision import autocast, autocast_dtype, head_for_loss
 
-    name, teacher, budget_name, precision, optim = args[0].split("/")
+    name, teacher, budget_name, precision, optim, vocab_name = args[0].split("/")
     window, o = (None if name == "none" else int(name)), json.loads(args[1])
     budget = None if budget_name == "none" else int(budget_name)
     device, dtype = torch.device(o["device"]), getattr(torch, o["dtype"])
@@ -131,6 +136,7 @@ def _worker(args: list[str]) -> None:
     amp = autocast_dtype(precision, device)  # the trainer's train.precision: bf16 autocast and a bf16 loss head
     loss_head = head_for_loss(head, amp)
     optimizer = None if optim == "none" else _optimizer(drafter, optim)
+    maps = None if vocab_name == "none" else _draft_maps(ids, loss_mask, V, int(vocab_name))
 
     def sync() -> None:
         if device.type == "cuda":
@@ -170,8 +176,17 @@ def _worker(args: list[str]) -> None:
                     last_hidden, blocks.teacher_positions, blocks.label_valid, head, int(o["chunk_size"])
                 )
                 kw["target_next"] = at.view(bsz * n, B - 1)
+            labels, label_valid = blocks.labels.reshape(bsz * n, B - 1), blocks.label_valid.reshape(bsz * n, B - 1)
+            step_head = loss_head
+            if maps is not None:  # the trainer's draft-vocabulary step: the head's rows, labels and argmax mapped
+                step_head = loss_head[target_ids(maps)]
+                labels, nxt, _, _ = draft_targets(
+                    maps, labels, label_valid, kw["teacher_hidden"], step_head, kw.get("target_next")
+                )
+                if nxt is not None:
+                    kw["target_next"] = nxt
             loss = dflash_loss(
-                draft, blocks.labels.reshape(bsz * n, B - 1), blocks.label_valid.reshape(bsz * n, B - 1), loss_head,
+                draft, labels, label_valid, step_head,
                 loss_name=o["loss"], block_size=B, chunk_size=int(o["chunk_size"]), **kw,
             ).loss  # fmt: skip
         loss.backward()
@@ -193,6 +208,19 @@ def _worker(args: list[str]) -> None:
     if optimizer is not None:
         extra["optim_ran"] = optimizer.describe()
     print(json.dumps({"peak_mb": peak_mb, "times_s": times, "loss": loss.item(), "mask": mask, **blocks_done, **extra}))
+
+
+def _draft_maps(ids, loss_mask, vocab: int, n: int):
+    """speculators' maps of the n most frequent labels of the bench's rows, as the drafter's buffers hold them."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dflash.model.draft_vocab import build_maps
+
+    counts = torch.bincount(ids[loss_mask].cpu(), minlength=vocab)
+    d2t, t2d = build_maps(counts, n)
+    return SimpleNamespace(d2t=d2t.to(ids.device), t2d=t2d.to(ids.device))
 
 
 def _optimizer(drafter, optim: str):
@@ -220,6 +248,11 @@ def bench(args: list[str]) -> None:
     if not precisions or set(precisions) - {"fp32", "bf16-mixed"}:
         raise SystemExit(f"precisions= takes fp32, bf16-mixed (comma-separated), got {o['precisions']!r}")
     optims = [x.strip() for x in o["optims"].split(",") if x.strip()]
+    vocabs = [x.strip() for x in o["draft_vocab"].split(",") if x.strip()]
+    if not vocabs or any(x != "none" and not (x.isdigit() and 1 <= int(x) < int(o["vocab"])) for x in vocabs):
+        raise SystemExit(f"draft_vocab= takes none and sizes below vocab={o['vocab']}, got {o['draft_vocab']!r}")
+    if set(vocabs) != {"none"} and "none" in [t.strip() for t in o["teachers"].split(",")]:
+        raise SystemExit("draft_vocab=N needs teachers= other than none (labels outside are replaced from them)")
     known = {"none", "adamw", "muon", "muon:auto", "muon:float32", "muon:bfloat16"}
     if not optims or set(optims) - known:
         raise SystemExit(f"optims= takes {', '.join(sorted(known))} (comma-separated), got {o['optims']!r}")
@@ -240,7 +273,15 @@ def bench(args: list[str]) -> None:
         f"{torch.get_num_threads()} torch threads, {o['repeats']} repeats"
     )
     print("memory: rise of the worker's peak RSS (CPU) / max_memory_allocated (CUDA) over the mark after inputs")
-    variants = [(w, t, b, p, x) for w in windows for t in teachers for b in budgets for p in precisions for x in optims]
+    variants = [
+        (w, t, b, p, x, dv)
+        for w in windows
+        for t in teachers
+        for b in budgets
+        for p in precisions
+        for x in optims
+        for dv in vocabs
+    ]
     results: dict[tuple, dict] = {}
     for _ in range(int(o["rounds"])):  # the variants take turns, so a load change on the machine hits them all
         for v in variants:
@@ -254,48 +295,53 @@ def bench(args: list[str]) -> None:
                 }
             results[v] = r
     print(
-        f"{'window':<8} {'teacher':<8} {'budget':>6} {'precision':>10} {'blocks':>13} {'keys/query':>10} {'mask':>22} "
-        f"{'peak MiB':>10} {'best s':>8} {'all s':>16} {'loss':>10}"
+        f"{'window':<8} {'teacher':<8} {'budget':>6} {'precision':>10} {'vocab':>7} {'blocks':>13} {'keys/query':>10} "
+        f"{'mask':>22} {'peak MiB':>10} {'best s':>8} {'all s':>16} {'loss':>10}"
     )
     fell_back = {v for v, r in results.items() if r["precision_ran"] != v[3]}
-    for (w, t, b, p, x), r in results.items():
+    for (w, t, b, p, x, dv), r in results.items():
         width = r["computed"] // len(lengths)  # the anchor tensor's width: the keys of full attention follow it
         keys = S + width * B if w == "none" or int(w) >= S else int(w) - 1 + B
         all_s = ", ".join(f"{x:.3f}" for x in r["times_s"])
         blocks = f"{r['blocks']}/{r['computed']}"  # trained / computed (the rest pad the anchor tensor)
         label = r["precision_ran"] if p == r["precision_ran"] else f"{r['precision_ran']}*"
+        vocab = o["vocab"] if dv == "none" else dv
         print(
-            f"{w:<8} {t:<8} {b:>6} {label:>10} {blocks:>13} {keys:>10} {r['mask']:>22} {r['peak_mb']:>10.0f} "
-            f"{min(r['times_s']):>8.3f} {all_s:>16} {r['loss']:>10.4f}"
+            f"{w:<8} {t:<8} {b:>6} {label:>10} {vocab:>7} {blocks:>13} {keys:>10} {r['mask']:>22} "
+            f"{r['peak_mb']:>10.0f} {min(r['times_s']):>8.3f} {all_s:>16} {r['loss']:>10.4f}"
         )
     if fell_back:
         print("fp32*: bf16-mixed fell back to fp32 on this machine (no fast bfloat16 kernels): no ratio for its rows")
-    if any(x != "none" for *_, x in results):
+    if any(x != "none" for *_, x, _ in results):
         _print_optimizer_steps(results)
 
     def ratio(label: str, r: dict, ref: dict) -> None:
         memory, time_ = r["peak_mb"] / max(ref["peak_mb"], 1e-9), min(r["times_s"]) / min(ref["times_s"])
         print(f"{label}: peak memory {memory:.2f}x, time {time_:.2f}x")
 
-    for (w, t, b, p, x), r in results.items():
-        if (w, t, b, p, x) in fell_back:
+    for (w, t, b, p, x, dv), r in results.items():
+        if (w, t, b, p, x, dv) in fell_back:
             continue
         bud, pre = ("" if b == "none" else f", budget {b}"), ("" if p == "fp32" else f", {p}")
-        opt = "" if x == "none" else f", {x}"
-        if w != "none" and ("none", t, b, p, x) in results:
-            ratio(f"window {w} / full ({t}{bud}{pre}{opt})", r, results["none", t, b, p, x])
-        if t in ("online", "argmax") and (w, "logits", b, p, x) in results:
-            ratio(f"window {w}: {t} / logits{bud}{pre}{opt}", r, results[w, "logits", b, p, x])
-        if b != "none" and (w, t, "none", p, x) in results:
-            ratio(f"budget {b} / per-row anchors (window {w}, {t}{pre}{opt})", r, results[w, t, "none", p, x])
-        if p != "fp32" and (w, t, b, "fp32", x) in results:
-            ratio(f"{p} / fp32 (window {w}, {t}{bud}{opt})", r, results[w, t, b, "fp32", x])
+        opt = ("" if x == "none" else f", {x}") + ("" if dv == "none" else f", draft vocab {dv}")
+        if w != "none" and ("none", t, b, p, x, dv) in results:
+            ratio(f"window {w} / full ({t}{bud}{pre}{opt})", r, results["none", t, b, p, x, dv])
+        if t in ("online", "argmax") and (w, "logits", b, p, x, dv) in results:
+            ratio(f"window {w}: {t} / logits{bud}{pre}{opt}", r, results[w, "logits", b, p, x, dv])
+        if b != "none" and (w, t, "none", p, x, dv) in results:
+            ratio(f"budget {b} / per-row anchors (window {w}, {t}{pre}{opt})", r, results[w, t, "none", p, x, dv])
+        if p != "fp32" and (w, t, b, "fp32", x, dv) in results:
+            ratio(f"{p} / fp32 (window {w}, {t}{bud}{opt})", r, results[w, t, b, "fp32", x, dv])
+        if dv != "none" and (w, t, b, p, x, "none") in results:
+            ratio(
+                f"draft vocab {dv} / full {o['vocab']} (window {w}, {t}{bud}{pre})", r, results[w, t, b, p, x, "none"]
+            )
 
 
 def _print_optimizer_steps(results: dict) -> None:
     """Each optimizer's step and its share of the whole step (forward, loss, backward and the optimizer's step)."""
     print(f"{'optimizer':<16} {'Newton-Schulz':>14} {'optimizer s':>12} {'share of step':>14}")
-    for (*_, x), r in results.items():
+    for (*_, x, _), r in results.items():
         if x == "none":
             continue
         opt, step = min(r["opt_times_s"]), min(r["times_s"])
