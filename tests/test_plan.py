@@ -249,3 +249,18 @@ def launch_sampled(args: list[str], cache_dir: Path, timeout: float = 300) -> tu
     if proc.poll() is None:
         proc.kill()
     return proc.wait(), best
+
+
+def test_a_draft_vocabulary_narrows_the_loss_and_the_head_flops():
+    """#58: model.draft_vocab_size N: the chunked loss N wide, the drafter's frozen N x H head and the loss's copy of
+    the target's rows counted, the head's FLOPs over N (plus the target's own argmax over the whole vocabulary)."""
+    t = KNOWN_TARGETS["Qwen/Qwen3-8B"]
+    full = compose_config(["model=qwen3_8b", "train.precision=bf16-mixed"])
+    cut = compose_config(["model=qwen3_8b", "train.precision=bf16-mixed", "model.draft_vocab_size=8192"])
+    a, b = memory_parts(full, t, 1, device="cuda"), memory_parts(cut, t, 1, device="cuda")
+    assert b["chunked loss"] * t.vocab == a["chunked loss"] * 8192 and a["draft vocabulary head"] == 0
+    assert b["draft vocabulary head"] == 8192 * t.hidden * (2 + 2)  # bf16 weights: the drafter's head + the loss's
+    fa, fb = flops_per_token(full, t)["drafter"], flops_per_token(cut, t)["drafter"]
+    S, A, B = full.train.seq_len, full.train.num_anchors, full.model.block_size
+    head = lambda v: 6 * t.hidden * v * A * (B - 1) / S  # noqa: E731
+    assert fb == pytest.approx(fa - head(t.vocab) + head(8192) + 2 * t.hidden * t.vocab, rel=1e-6)

@@ -25,6 +25,8 @@ target; a target rank holds the target and the link's items, no drafter.
                         context
   chunked loss          float32 logits, probabilities and their gradient over `loss.chunk_size` positions
   bf16 loss head        train.precision=bf16-mixed: the LM head's bfloat16 copy for the loss (vocab x hidden x 2)
+  draft vocabulary head model.draft_vocab_size N: the drafter's frozen head (N x hidden) and the loss's copy of the
+                        target's rows (N x hidden, bfloat16 under bf16-mixed); `chunked loss` is then N wide
   queues                feature items alive at once (sync: 1; async: each queue at its bound, plus one per stage)
   feature transport     parallel.target_ranks: items in flight on the link (credits), else 0
   runtime               the process itself: Python, torch, transformers, the data (RUNTIME_BYTES, a constant
@@ -252,6 +254,7 @@ def memory_parts(
     if cfg.pipeline.queue_bytes:
         items = min(items, max(1, cfg.pipeline.queue_bytes // max(1, item)) + 2)
     unit = max(d.layer_params, d.features * H * H)
+    N, bf16 = getattr(m, "draft_vocab_size", None), tr.get("precision", "fp32") == "bf16-mixed"
     weights = t.total_params if loads_whole_target(cfg, nproc, role) else t.head_params
     parts = {
         "target weights": weights * w,
@@ -262,9 +265,11 @@ def memory_parts(
         "eval copy": max(0, params * w - (2 * unit * w if name == "fsdp" else 0)) if name in ("ddp", "fsdp") else 0,
         "target activations": target_act * w if runs_target(cfg, nproc, role) else 0,
         "drafter activations": (d.layers * per_layer + 3 * ctx * H + 2 * T * H) * w,
-        "chunked loss": 5 * min(m_chunk(cfg), T) * t.vocab * 4,
+        "chunked loss": 5 * min(m_chunk(cfg), T) * head_vocab(m, t) * 4,
         # train.precision=bf16-mixed: the frozen LM head's bfloat16 copy the loss multiplies (train/precision.py)
-        "bf16 loss head": t.vocab * H * 2 if tr.get("precision", "fp32") == "bf16-mixed" else 0,
+        "bf16 loss head": t.vocab * H * 2 if bf16 else 0,
+        # model.draft_vocab_size N: the drafter's frozen head (N x H) and the loss's copy of the target's rows
+        "draft vocabulary head": (N * H * w + N * H * (2 if bf16 else 4)) if N else 0,
         "queues": items * item,
         "feature transport": cfg.pipeline.queue_size * item if target_ranks else 0,
         "runtime": RUNTIME_BYTES,
@@ -275,6 +280,11 @@ def memory_parts(
         keep = ("target weights", "target activations", "feature transport", "runtime")
         parts = {k: (v if k in keep else 0) for k, v in parts.items()}
     return parts
+
+
+def head_vocab(model_cfg, t: TargetShape) -> int:
+    """The rows of the head the loss multiplies: model.draft_vocab_size's N, or the target's vocabulary."""
+    return getattr(model_cfg, "draft_vocab_size", None) or t.vocab
 
 
 def planned_anchors(cfg, batch_size: int, seq_len: int) -> int:
@@ -340,7 +350,9 @@ def flops_per_sequence(model_cfg, t: TargetShape, seq_len: int, anchors: int) ->
               + 6 x hidden x vocab x anchors x (block - 1): the frozen LM head's forward and input gradient (4)
                 and the teacher's logits from the last hidden state (2), counted for every loss: an upper bound
                 for a loss without the KL, which reads a store's target argmax instead (sim_tau's) or online
-                computes it once per distinct position"""
+                computes it once per distinct position; under model.draft_vocab_size N the head is N wide, and
+                the target's own argmax over the whole vocabulary (2 x hidden x vocab) is counted at every one
+                of the seq_len positions (online; a store holds it)"""
     d = drafter_shape(model_cfg, t)
     S, A, B, H = seq_len, anchors, model_cfg.block_size, t.hidden
     block_tokens = A * B
@@ -351,7 +363,8 @@ def flops_per_sequence(model_cfg, t: TargetShape, seq_len: int, anchors: int) ->
     window = effective_window(model_cfg, S)
     seen = S / 2 if window is None else window - window * window / (2 * S)  # context before a uniform anchor
     attention = 3 * 4 * d.heads * d.head_dim * d.layers * block_tokens * (seen + B)
-    head = 6 * H * t.vocab * A * (B - 1)
+    n_vocab = getattr(model_cfg, "draft_vocab_size", None)
+    head = 6 * H * (n_vocab or t.vocab) * A * (B - 1) + (2 * H * t.vocab * S if n_vocab else 0)
     drafter = 6 * d.layers * d.layer_params * block_tokens + 6 * (fc + kv) * S + attention + head
     return {"target": float(target), "drafter": float(drafter)}
 
