@@ -192,3 +192,40 @@ def test_export_speculators_layout_loads_in_speculators_with_its_maps_and_zlab_r
     assert torch.equal(theirs.lm_head.weight, head[target_ids(drafter)])
     back = load_drafter(out)  # and ours reads it back with its maps
     assert torch.equal(back.d2t, d2t) and torch.equal(back.lm_head.weight, drafter.lm_head.weight)
+
+
+@pytest.mark.slow
+def test_the_smoke_with_a_draft_vocabulary_is_lossless_exports_to_speculators_and_inits_another(
+    tmp_path, cache_dir, tiny_target
+):
+    """The issue's done-when: `experiment=smoke model.draft_vocab_size=256` completes with eval/lossless 1.0, its
+    export (speculators' layout) loads in speculators 0.9.0 with its maps, and z-lab's layout refuses it in one line;
+    model.init_from of its run starts another from the same maps."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO, launch
+    from safetensors.torch import load_file
+    from speculators import SpeculatorModel
+
+    run = tmp_path / "run"
+    launch(["experiment=smoke", "model.draft_vocab_size=256", f"hydra.run.dir={run}"], cache_dir, check=True)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["eval/lossless"] == 1.0
+    info = json.loads((run / "run.json").read_text())["draft_vocab"]
+    assert info["size"] == 256 and 0 < info["coverage"] <= 1
+    weights = load_file(str(run / "drafter" / "model.safetensors"))
+    theirs = SpeculatorModel.from_pretrained(str(run / "drafter"))
+    assert theirs.config.draft_vocab_size == 256 and theirs.use_draft_vocab
+    assert torch.equal(theirs.t2d, weights["t2d"]) and torch.equal(theirs.d2t, weights["d2t"])
+    assert int(theirs.t2d.sum()) == 256 and "draft vocabulary of 256" in (run / "drafter" / "README.md").read_text()
+    cmd = [sys.executable, "-m", "dflash.export", str(run), str(tmp_path / "zlab"), "--layout", "zlab"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
+    assert "z-lab's layout uses the target's LM head" in proc.stderr
+    other = tmp_path / "other"
+    launch(["experiment=smoke", "model.draft_vocab_size=256", f"model.init_from={run}", "eval.num_prompts=0",
+            f"hydra.run.dir={other}"], cache_dir, check=True)  # fmt: skip
+    again = load_file(str(other / "drafter" / "model.safetensors"))
+    assert torch.equal(again["d2t"], weights["d2t"]) and torch.equal(again["lm_head.weight"], weights["lm_head.weight"])
