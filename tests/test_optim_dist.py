@@ -47,13 +47,16 @@ def test_a_one_process_muon_checkpoint_resumes_under_ddp(tmp_path, cache_dir, ti
 
 
 @pytest.mark.slow
-def test_two_ranks_under_muon_train_like_one_rank_within_its_bf16_round_off(tmp_path, cache_dir, tiny_target):
-    """ddp and fsdp under Muon (the default optimizer) against one process: not within 1e-5 as AdamW is
-    (test_distributed), because Muon orthogonalises each update in bfloat16 and the all-reduce's round-off flips
-    some of those roundings; but ten times closer to the one-process Muon run than that run is to AdamW's from the
-    same start (fsdp's DTensor shards are orthogonalised as whole matrices, not shard by shard)."""
+@pytest.mark.parametrize("ns_dtype", ["bfloat16", "float32"])
+def test_two_ranks_under_muon_train_like_one_rank(tmp_path, cache_dir, tiny_target, ns_dtype):
+    """ddp and fsdp under Muon (the default optimizer) against one process. With its Newton-Schulz in bfloat16
+    (torch's own step) not within 1e-5 as AdamW is (test_distributed): the all-reduce's round-off flips some of the
+    bfloat16 roundings; but ten times closer to the one-process Muon run than that run is to AdamW's from the same
+    start (measured on a 2-core AMD EPYC: 0.04-0.06 x). In float32 (optim.muon_ns_dtype=float32, auto's choice on a
+    CPU without fast bfloat16) the ranks stay within 1e-5 of one process, as AdamW's do (measured: 1.2e-7 and 6.6e-8;
+    fsdp's DTensor shards are orthogonalised as whole matrices, not shard by shard)."""
     runs = {}
-    args = [*SMALL, "train.max_steps=20", "pipeline.monitor_interval_s=1000"]
+    args = [*SMALL, "train.max_steps=20", "pipeline.monitor_interval_s=1000", f"optim.muon_ns_dtype={ns_dtype}"]
     for name, optim in (("one", "muon"), ("adamw", "adamw")):
         runs[name] = tmp_path / name
         launch([*args, f"optim={optim}", f"hydra.run.dir={runs[name]}"], cache_dir, check=True)
@@ -64,5 +67,8 @@ def test_two_ranks_under_muon_train_like_one_rank_within_its_bf16_round_off(tmp_
         )
     one = weights(runs["one"])
     yardstick = max_diff(one, weights(runs["adamw"]))
+    bound = 0.1 * yardstick if ns_dtype == "bfloat16" else 1e-5
     for parallel in ("ddp", "fsdp"):
-        assert max_diff(one, weights(runs[parallel])) < 0.1 * yardstick, (parallel, yardstick)
+        diff = max_diff(one, weights(runs[parallel]))
+        print(f"muon_ns_dtype={ns_dtype} {parallel}: {diff:.3g} against one process ({diff / yardstick:.2g} x AdamW's)")
+        assert diff < bound, (parallel, diff, yardstick)
