@@ -195,3 +195,22 @@ def test_the_plan_of_qwen3_6_27b_lists_its_linear_attention_layers():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "64 layers: 48 linear-attention, 16 full-attention" in out.stdout
     assert "linear-attention layers 5.56B" in out.stdout and "(Qwen/Qwen3.6-27B, 26.9" in out.stdout
+
+
+@pytest.mark.slow
+def test_a_hybrid_vision_language_target_resumes_and_fine_tunes(targets, cache_dir, tmp_path):
+    """resume= and model.init_from on Qwen3.6's shape (the vision-language checkpoint, linear attention): the run
+    resumes from its checkpoint, a new run starts from its export, and the export carries a model card."""
+    common = ["experiment=smoke", "model=tiny_random", "model.build.architecture=qwen3_5_vl", "eval.num_prompts=1"]
+    first, tuned = tmp_path / "first", tmp_path / "tuned"
+    out = launch([*common, "train.max_steps=2", "checkpoint.every_steps=1", f"hydra.run.dir={first}"], cache_dir)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = launch([f"resume={first}", "train.max_steps=4"], cache_dir)  # the run's own config and model
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((first / "summary.json").read_text())["step"] == 4
+    assert "DFlash drafter for" in (first / "drafter" / "README.md").read_text()  # its model card
+    out = launch([*common, f"model.init_from={first / 'drafter'}", "train.max_steps=2", f"hydra.run.dir={tuned}"],
+                 cache_dir)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((tuned / "run.json").read_text())["init_from"]["kind"] == "drafter"
+    assert json.loads((tuned / "status.json").read_text())["status"] == "completed"
