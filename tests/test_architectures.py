@@ -214,3 +214,15 @@ def test_a_hybrid_vision_language_target_resumes_and_fine_tunes(targets, cache_d
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads((tuned / "run.json").read_text())["init_from"]["kind"] == "drafter"
     assert json.loads((tuned / "status.json").read_text())["status"] == "completed"
+
+
+def test_a_target_that_is_no_causal_lm_is_refused_in_one_line_before_any_work(tmp_path, cache_dir):
+    from transformers import DistilBertConfig
+
+    folder = tmp_path / "distilbert"  # an encoder: transformers has no causal-LM class for it
+    DistilBertConfig(vocab_size=100, dim=32, n_layers=1, n_heads=2, hidden_dim=64).save_pretrained(folder)
+    args = ["experiment=smoke", f"model.target={folder}", "model.build.kind=none", f"hydra.run.dir={tmp_path / 'run'}"]
+    out = launch(args, cache_dir, timeout=120, env={"HYDRA_FULL_ERROR": "0"})
+    assert out.returncode != 0
+    assert "no causal-LM class in transformers" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "run").exists()  # refused before Hydra made its directory

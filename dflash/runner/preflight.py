@@ -97,7 +97,10 @@ def _check_target(target: str) -> None:
         check_target_exists(target)
     except FileNotFoundError as e:
         raise LaunchRefused(f"{e} (model.target is a hub name or a local model directory)") from None
-    if Path(target).expanduser().exists() or not HUB_ID.fullmatch(target):
+    if Path(target).expanduser().exists():
+        _check_architecture(target)
+        return
+    if not HUB_ID.fullmatch(target):
         return
     from huggingface_hub import constants, try_to_load_from_cache
 
@@ -125,6 +128,20 @@ def _check_target(target: str) -> None:
         f"cache: download it first (hf download {target}, where there is network), or set HF_HUB_OFFLINE=1 "
         "with model.target=/path/to/a/local/model"
     )
+
+
+def _check_architecture(target: str) -> None:
+    """A local target whose architecture cannot serve as one (no causal-LM class in transformers), in one line
+    before any work (a folder without a config.json yet is a local build: checked when it loads)."""
+    if not (Path(target).expanduser() / "config.json").is_file():
+        return
+    from dflash.model.architectures import causal_lm_class
+    from dflash.model.target import load_target_config
+
+    try:
+        causal_lm_class(load_target_config(target, whole=True))
+    except ValueError as e:
+        raise LaunchRefused(str(e)) from None
 
 
 def hub_unreachable(endpoint: str) -> str | None:
