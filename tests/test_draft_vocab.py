@@ -154,7 +154,7 @@ def test_counts_are_the_supervised_tokens_of_one_pass_and_cached(tmp_path):
 def test_dflash2_refuses_and_the_size_must_be_below_the_vocabulary(tiny_dir):
     from dflash.core.validation import validate
 
-    cfg = compose_config(["experiment=smoke", "drafter=dflash2", "model.draft_vocab_size=64"])
+    cfg = compose_config(["experiment=smoke", "drafter=dflash2", "model.draft_vocab_size=8"])
     with pytest.raises(ConfigError, match="dflash2 needs the full vocabulary"):
         validate(cfg)
     with pytest.raises(ConfigError, match="below the target's vocabulary of 512"):
@@ -229,3 +229,30 @@ def test_the_smoke_with_a_draft_vocabulary_is_lossless_exports_to_speculators_an
             f"hydra.run.dir={other}"], cache_dir, check=True)  # fmt: skip
     again = load_file(str(other / "drafter" / "model.safetensors"))
     assert torch.equal(again["d2t"], weights["d2t"]) and torch.equal(again["lm_head.weight"], weights["lm_head.weight"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_train_a_draft_vocabulary_like_one_rank(parallel, tmp_path, cache_dir, tiny_target):
+    """2 ranks x 2 sequences = 1 rank x 4 with model.draft_vocab_size (labels outside it included): the same maps and
+    weights up to round-off, the same loss and share of labels outside (ranks' shares over the global count)."""
+    import json
+
+    from conftest import launch
+    from test_distributed import SMALL, torchrun
+    from test_distributed import weights as run_weights
+
+    common = [*SMALL, "train.max_steps=6", "pipeline.monitor_interval_s=1000", "model.draft_vocab_size=8"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    launch([*common, f"hydra.run.dir={one}"], cache_dir, check=True)
+    torchrun([*common, f"parallel={parallel}", "parallel.backend=gloo", f"hydra.run.dir={two}"], cache_dir, check=True)
+    a, b = run_weights(one), run_weights(two)
+    assert set(a) == set(b) and torch.equal(a["t2d"], b["t2d"]) and torch.equal(a["d2t"], b["d2t"])
+    assert max((a[k] - b[k]).abs().max().item() for k in a if a[k].is_floating_point()) < 1e-5
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (one, two))
+    assert sb["train/loss"] == pytest.approx(sa["train/loss"], rel=1e-5)
+    rows = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
+    shares = [r["train/oov_labels"] for r in rows if "train/oov_labels" in r]
+    ref = [json.loads(line)["train/oov_labels"] for line in (one / "metrics.jsonl").read_text().splitlines()
+           if "train/oov_labels" in line]  # fmt: skip
+    assert shares and shares[-1] == pytest.approx(ref[-1], rel=1e-6) and 0 < ref[-1] < 1
