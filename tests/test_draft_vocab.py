@@ -200,7 +200,7 @@ def test_the_smoke_with_a_draft_vocabulary_is_lossless_exports_to_speculators_an
 ):
     """The issue's done-when: `experiment=smoke model.draft_vocab_size=256` completes with eval/lossless 1.0, its
     export (speculators' layout) loads in speculators 0.9.0 with its maps, and z-lab's layout refuses it in one line;
-    model.init_from of its run starts another from the same maps."""
+    a resume keeps them, and model.init_from of its run starts another from the same maps."""
     import json
     import subprocess
     import sys
@@ -224,6 +224,11 @@ def test_the_smoke_with_a_draft_vocabulary_is_lossless_exports_to_speculators_an
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
     assert "z-lab's layout uses the target's LM head" in proc.stderr
+    launch([f"resume={run}", "train.max_steps=9"], cache_dir, check=True)  # the checkpoint carries the maps
+    assert json.loads((run / "summary.json").read_text())["step"] == 9
+    resumed = load_file(str(run / "drafter" / "model.safetensors"))
+    assert torch.equal(resumed["d2t"], weights["d2t"]) and torch.equal(resumed["t2d"], weights["t2d"])
+    weights = resumed
     other = tmp_path / "other"
     launch(["experiment=smoke", "model.draft_vocab_size=256", f"model.init_from={run}", "eval.num_prompts=0",
             f"hydra.run.dir={other}"], cache_dir, check=True)  # fmt: skip
