@@ -51,8 +51,9 @@ def test_one_flop_model_for_the_plan_and_the_store_cost():
     d = plan.drafter_shape(Q27B.model_config(), t)
     by_hand = (
         6 * d.layer_params * 5 * A * B
-        + 6 * (5 * 5120 * 5120 + 2 * 5120 * 4 * 256 * 5) * S  # fc and every layer's k/v over the context
-        + 12 * 24 * 256 * 5 * A * B * (S / 2 + B)
+        + 6 * (5 * 5120 * 5120 + 2 * 5120 * 8 * 128 * 5) * S  # fc and every layer's k/v over the context
+        # z-lab's Qwen3.6 drafter: 32 heads of 128; its mix of sliding and full layers planned as full attention
+        + 12 * 32 * 128 * 5 * A * B * (S / 2 + B)
         + 6 * 5120 * 248320 * A * (B - 1)
     )
     assert f["drafter"] == pytest.approx(by_hand)

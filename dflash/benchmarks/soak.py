@@ -31,7 +31,7 @@ DEFAULTS = {
     "sample_s": "1.0",
     "max_growth": "0.05",
 }
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _rss_mb(pid: int) -> float | None:

@@ -63,7 +63,7 @@ DEFAULTS = {
     "base_steps": "1",
     "workdir": "",
 }
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 STAGES = ("target pass", "drafter step", "store write", "store read")
 SWEEP_HEADER = "| pipeline | sweep | wall s | CPU s | wall / online | CPU / online |"
 ACCOUNT_HEADER = (
