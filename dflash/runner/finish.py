@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from dflash.core import interrupts
 from dflash.core.disk import check_free
@@ -56,7 +56,7 @@ def finish(
     if job.world.is_main:
         weights = sum(p.numel() * p.element_size() for p in final.parameters())
         check_free(run.drafter.parent, weights, "the export (drafter/)")  # the final checkpoint is on disk already
-        rendering = dict(cfg.data.get("chat_template_kwargs") or {})  # recorded: a later use in another warns
+        rendering = dict(OmegaConf.select(cfg, "data.chat_template_kwargs") or {})  # recorded: another use warns
         export_drafter(final, run.drafter, target=cfg.model.target, rendering=rendering)
         if status == "completed":
             status, reason = _final_eval(job, final, summary)
@@ -123,7 +123,7 @@ def _benchmarks(
             suites=list(cfg.eval.suites),
             temperatures=[cfg.eval.temperature],
             # the suites render as the training data did (data.chat_template_kwargs, e.g. enable_thinking)
-            template_kwargs=dict(cfg.data.get("chat_template_kwargs") or {}),
+            template_kwargs=dict(OmegaConf.select(cfg, "data.chat_template_kwargs") or {}),
             max_samples=cfg.eval.suite_max_samples,
             max_new_tokens=cfg.eval.max_new_tokens,
             ngram=cfg.eval.prompt_lookup_ngram,
