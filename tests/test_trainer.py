@@ -56,6 +56,19 @@ def test_training_reduces_loss_on_a_repeated_batch(parts):
     assert trainer.step == 60 and trainer.tokens == 60 * item.num_tokens and trainer.next_data == (0, 1)
 
 
+def test_a_window_without_a_step_has_no_train_metrics(parts):
+    """A monitor tick between two steps writes the counters only: a train/* key there would repeat a step's
+    record (a mean over records would count that step twice)."""
+    cfg, target, drafter, mask_id = parts
+    trainer = DrafterTrainer(cfg, target, drafter, mask_id, total_steps=100)
+    assert not [k for k in trainer.metrics() if k.startswith("train/")]
+    trainer.train_on(TargetForward(target, torch.device("cpu"))(_batch()))
+    first = trainer.metrics()
+    assert first["train/supervised_tokens"] > 0 and "train/loss" in first
+    again = trainer.metrics()
+    assert again == {"step": 1, "tokens": first["tokens"]}
+
+
 def test_non_finite_steps_are_skipped_then_fail(parts):
     cfg, target, drafter, mask_id = parts
     trainer = DrafterTrainer(cfg, target, drafter, mask_id, total_steps=100)

@@ -217,12 +217,12 @@ class DrafterTrainer:
 
     def metrics(self) -> dict[str, float]:
         """Training metrics averaged over the steps since the last call (thread-safe), plus counters. A window
-        without a step has no train/* at all: a record repeats no step's values (a mean over records counts
-        each step once)."""
+        without a step has no train/*: a record repeats no step's values (a mean over records counts each once)."""
         with self._lock:
-            out = {"step": self.step, "tokens": self.tokens, "train/supervised_tokens": self.supervised_tokens}
-            if not self._window_steps:
+            out = {"step": self.step, "tokens": self.tokens}
+            if not self._window_steps:  # train/supervised_tokens too is written with a step only
                 return out
+            out["train/supervised_tokens"] = self.supervised_tokens
             if self._n:
                 out.update({k: v / self._n for k, v in self._sums.items()})
                 out.update(self._acc.compute())
