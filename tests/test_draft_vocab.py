@@ -261,3 +261,49 @@ def test_two_ranks_train_a_draft_vocabulary_like_one_rank(parallel, tmp_path, ca
     ref = [json.loads(line)["train/oov_labels"] for line in (one / "metrics.jsonl").read_text().splitlines()
            if "train/oov_labels" in line]  # fmt: skip
     assert shares and shares[-1] == pytest.approx(ref[-1], rel=1e-6) and 0 < ref[-1] < 1
+
+
+@pytest.mark.slow
+def test_under_target_labels_the_store_s_labels_are_counted_and_all_fall_inside(tmp_path, cache_dir, tiny_target):
+    """loss.labels=target with a feature store: the maps are counted from the target's argmax labels the store
+    holds (not the text's supervised tokens), so a draft vocabulary as large as the distinct labels the run reads
+    leaves none outside (train/oov_labels 0 at every step), which the text's counts of that size would not."""
+    import json
+
+    from conftest import launch
+    from test_run import read_jsonl
+
+    from dflash.runner.draft_vocab import TARGET
+    from dflash.train.feature_store import target_label_counts
+
+    store = tmp_path / "store"
+    common = ["experiment=smoke", "features=store", "features.build_missing=true", f"features.path={store}",
+              "loss.labels=target", "train.max_steps=6", "eval.num_prompts=0", "checkpoint.every_steps=0",
+              "data.regenerate.enabled=false"]  # fmt: skip
+    launch([*common, "model.draft_vocab_size=256", f"hydra.run.dir={tmp_path / 'first'}"], cache_dir, check=True)
+    labels = target_label_counts(store, V, 6)
+    distinct = int((labels > 0).sum())
+    run = tmp_path / "run"
+    launch([*common, f"model.draft_vocab_size={distinct}", f"hydra.run.dir={run}"], cache_dir, check=True)
+    info = json.loads((run / "run.json").read_text())["draft_vocab"]
+    assert info["counted"] == TARGET and info["labels_counted"] == int(labels.sum()) and info["coverage"] == 1.0
+    steps = [r for r in read_jsonl(run / "metrics.jsonl") if OOV_METRIC in r]
+    assert steps and all(r[OOV_METRIC] == 0.0 for r in steps), [r[OOV_METRIC] for r in steps]
+    text = _stored_text_counts(store, 6)  # the old rule's counts: the text's supervised tokens of those batches
+    assert float(labels[text.topk(distinct).indices].sum()) < float(labels.sum())  # would leave some outside
+
+
+def _stored_text_counts(store, batches):
+    import json
+
+    from safetensors import safe_open
+
+    counts, seen = torch.zeros(V, dtype=torch.long), 0
+    for shard in json.loads((store / "index.json").read_text())["shards"]:
+        with safe_open(str(store / shard["file"]), framework="pt") as f:
+            for i in range(len(shard["batches"])):
+                if seen < batches:
+                    ids, mask = f.get_tensor(f"{i}/input_ids"), f.get_tensor(f"{i}/loss_mask").bool()
+                    counts += torch.bincount(ids[mask], minlength=V)[:V]
+                seen += 1
+    return counts

@@ -75,6 +75,10 @@ def test_the_card_states_the_draft_vocabulary_and_its_coverage(tmp_path):
     write_json(run / "run.json", info)
     card = model_card(run)
     assert "a draft vocabulary of 8,192 of the target's 49,152 tokens" in card
-    assert "covering 97.31% of the 123,456 training labels" in card and "speculators' layout" in card
+    assert "covering 97.31% of the 123,456 training labels counted (the text's" in card
+    assert "speculators' layout" in card
+    info["draft_vocab"]["counted"] = "the target's labels in the feature store"
+    write_json(run / "run.json", info)
+    assert "training labels counted (the target's labels in the feature store)" in model_card(run)
     (tmp_path / "plain").mkdir()
     assert "draft vocabulary" not in model_card(_run_dir(tmp_path / "plain"))

@@ -100,10 +100,11 @@ def _draft_vocab(info: dict) -> str:
     dv = info.get("draft_vocab")
     if not dv:
         return ""
+    counted = dv.get("counted", "the text's supervised tokens")  # runs before the choice counted the text
     return (
         f"; a draft vocabulary of {dv['size']:,} of the target's {dv['target_vocab_size']:,} tokens "
         f"(`model.draft_vocab_size`, vLLM speculators' `t2d`/`d2t` maps; in speculators' layout), covering "
-        f"{100 * dv['coverage']:.2f}% of the {dv['labels_counted']:,} training labels"
+        f"{100 * dv['coverage']:.2f}% of the {dv['labels_counted']:,} training labels counted ({counted})"
     )
 
 

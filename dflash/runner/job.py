@@ -121,7 +121,7 @@ def build_job(
         heads = TargetHeads.load(cfg.model.target, cfg.model.dtype, device)  # what the trainer reads of the target
     else:
         heads = target if target.device == device else TargetHeads(target, device)
-    maps = counted_maps(cfg, world, loaded.data, fingerprint, files.config.vocab_size)  # model.draft_vocab_size
+    maps = counted_maps(cfg, world, loaded.data, fingerprint, files.config.vocab_size, store)  # draft_vocab_size
     put_into(drafter, maps, heads.lm_head.weight)
     if init_source is not None:
         init_record = load_init_weights(drafter, init_source)

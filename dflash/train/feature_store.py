@@ -299,6 +299,29 @@ class StoreReader:
         )
 
 
+def target_label_counts(store: Path, vocab_size: int, batches: int) -> torch.Tensor:
+    """[vocab_size] int64: the target's labels (loss.labels=target: its argmax at the position before each token
+    under the loss mask, as the loss reads them) in the store's first `batches` batches, read without the features."""
+    from safetensors import safe_open
+
+    index = read_json(Path(store) / INDEX, default=None)
+    if not isinstance(index, dict) or not index.get("complete"):
+        raise StoreCorrupt(f"feature store {store}: its build is not complete (python -m dflash.features build)")
+    counts, seen = torch.zeros(vocab_size, dtype=torch.long), 0
+    for shard in index["shards"]:
+        with safe_open(str(Path(store) / shard["file"]), framework="pt") as f:
+            for i in range(len(shard["batches"])):
+                if seen >= batches:
+                    return counts
+                if f"{i}/target_next" not in f.keys():
+                    raise StoreMismatch(f"feature store {store}: an older store without the target's argmax")
+                mask = f.get_tensor(f"{i}/loss_mask").bool()
+                labels = f.get_tensor(f"{i}/target_next")[:, :-1][mask[:, 1:]].long()
+                counts += torch.bincount(labels.clamp(0, vocab_size - 1), minlength=vocab_size)[:vocab_size]
+                seen += 1
+    return counts
+
+
 def store_bytes_per_token(hidden_size: int, num_layers: int, dtype: str) -> int:
     """Bytes a token takes in a store: the layers' features and the last hidden state (with fp8 their per-token
     scales), plus its id (int64), loss mask (bool) and the target's argmax (int32)."""
